@@ -1,0 +1,613 @@
+"""The JetStream client every jetrl process uses.
+
+* :class:`Bus` connects (reconnecting forever, with clear errors), creates a run's stream, and
+  publishes events with ``Nats-Msg-Id = event_id`` so a retried publish is stored once.
+* :class:`Publisher` pipelines publishes with a bounded number in flight and surfaces every
+  failure: an event whose ack never came is re-sent (deduplicated by the server), and one that
+  still fails is raised from :meth:`Publisher.flush`.
+* :class:`PullConsumer` is a durable pull consumer with explicit acks. Messages that cannot be
+  decoded, that a handler rejects, that carry a spoofed tenant, or that failed ``max_deliver``
+  times are published to the run's dead-letter subject with the reason and the original
+  sequence and bytes, and only then acked: never dropped in silence.
+* :meth:`Bus.tail` reads a run's log in order from any point (an ordered consumer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext, api
+
+from jetrl.bus import events as ev
+from jetrl.bus import subjects
+from jetrl.bus.log import get_logger
+from jetrl.bus.streams import StreamLimits, ensure_payload_bucket, ensure_run_stream, stream_name
+
+log = get_logger(__name__)
+
+
+class BusError(RuntimeError):
+    pass
+
+
+class PublishError(BusError):
+    """Publishes that failed after every retry; ``failed`` maps event_id to the last error."""
+
+    def __init__(self, failed: dict[str, BaseException]) -> None:
+        self.failed = failed
+        first = next(iter(failed.items()))
+        super().__init__(f"{len(failed)} publish(es) failed; first {first[0]}: {first[1]!r}")
+
+
+class Reject(Exception):  # noqa: N818 - a verdict, not an error condition of the consumer
+    """Raised by a handler for a message that can never be processed: dead-lettered at once."""
+
+    def __init__(self, detail: str, reason: str = "rejected") -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+_RETRYABLE = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.js.errors.NoStreamResponseError,
+    nats.errors.ConnectionClosedError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError,
+    asyncio.TimeoutError,
+)
+
+
+class Bus:
+    """A connection to NATS plus the JetStream context, bound to no run in particular."""
+
+    def __init__(self, nc: NATS, js: JetStreamContext, name: str) -> None:
+        self.nc = nc
+        self.js = js
+        self.name = name
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str | Sequence[str],
+        *,
+        name: str = "jetrl",
+        connect_timeout: float = 5.0,
+        reconnect_wait: float = 0.25,
+        max_inflight: int = 512,
+        request_timeout: float = 10.0,
+    ) -> Bus:
+        servers = [url] if isinstance(url, str) else list(url)
+        blog = log.bind(client=name)
+
+        async def on_error(exc: Exception) -> None:
+            blog.warning("nats_error", error=repr(exc))
+
+        async def on_disconnect() -> None:
+            blog.warning("nats_disconnected")
+
+        async def on_reconnect() -> None:
+            blog.info("nats_reconnected", server=str(nc.connected_url.netloc if nc.connected_url else ""))
+
+        try:
+            nc = await nats.connect(
+                servers=servers,
+                name=name,
+                connect_timeout=connect_timeout,
+                reconnect_time_wait=reconnect_wait,
+                max_reconnect_attempts=-1,
+                allow_reconnect=True,
+                # Publishes made while reconnecting are buffered, then flushed.
+                pending_size=64 * 1024 * 1024,
+                error_cb=on_error,
+                disconnected_cb=on_disconnect,
+                reconnected_cb=on_reconnect,
+            )
+        except (OSError, nats.errors.NoServersError, asyncio.TimeoutError) as exc:
+            raise BusError(
+                f"cannot connect to NATS at {', '.join(servers)}: {exc!r}. Is nats-server running "
+                "with JetStream (-js)? `jetrl run` without --nats-url starts a private one."
+            ) from exc
+        js = nc.jetstream(timeout=request_timeout, publish_async_max_pending=max_inflight)
+        return cls(nc, js, name)
+
+    async def close(self) -> None:
+        # Flush what was published, then close; a drain would wait on idle pull subscriptions.
+        if not self.nc.is_closed:
+            with contextlib.suppress(Exception):
+                await self.nc.flush(timeout=2)
+            with contextlib.suppress(Exception):
+                await self.nc.close()
+
+    async def __aenter__(self) -> Bus:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ streams
+
+    async def ensure_run(self, run_id: str, limits: StreamLimits | None = None) -> api.StreamInfo:
+        """Create (or check) the run's log stream and payload bucket. Idempotent."""
+        info = await ensure_run_stream(self.js, run_id, limits)
+        await ensure_payload_bucket(self.js, run_id, limits)
+        return info
+
+    # ------------------------------------------------------------------ publish
+
+    async def publish(
+        self, event: ev.Event, *, timeout: float = 5.0, retries: int = 5, backoff: float = 0.2
+    ) -> api.PubAck:
+        """Publish one event and wait for the stream's ack. Retries are safe: the event id is
+        the message id, so the server stores a retried event once (``ack.duplicate``)."""
+        subject = subjects.subject_for(event)
+        data = ev.encode_event(event)
+        headers = ev.event_headers(event)
+        return await self._publish_raw(subject, data, headers, timeout=timeout, retries=retries, backoff=backoff)
+
+    async def _publish_raw(
+        self,
+        subject: str,
+        data: bytes,
+        headers: dict[str, str],
+        *,
+        timeout: float = 5.0,
+        retries: int = 5,
+        backoff: float = 0.2,
+    ) -> api.PubAck:
+        delay = backoff
+        for attempt in range(retries + 1):
+            try:
+                return await self.js.publish(subject, data, timeout=timeout, headers=dict(headers))
+            except _RETRYABLE as exc:
+                if attempt == retries:
+                    raise BusError(f"publish to {subject} failed after {retries + 1} attempts: {exc!r}") from exc
+                log.warning("publish_retry", subject=subject, attempt=attempt + 1, error=repr(exc))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        raise AssertionError("unreachable")
+
+    def publisher(self, *, max_inflight: int = 256, ack_timeout: float = 10.0, retries: int = 5) -> Publisher:
+        return Publisher(self, max_inflight=max_inflight, ack_timeout=ack_timeout, retries=retries)
+
+    # ------------------------------------------------------------------ consume
+
+    async def consumer(self, spec: ConsumerSpec) -> PullConsumer:
+        """Create or bind a durable pull consumer on the run's stream."""
+        stream = stream_name(spec.run_id)
+        cfg = api.ConsumerConfig(
+            durable_name=spec.durable,
+            name=spec.durable,
+            ack_policy=api.AckPolicy.EXPLICIT,
+            ack_wait=spec.ack_wait,
+            # Delivery attempts are bounded by the client (it dead-letters), never by the server,
+            # which would otherwise leave an exhausted message unacked and invisible.
+            max_deliver=-1,
+            max_ack_pending=spec.max_ack_pending,
+            deliver_policy=spec.deliver_policy,
+            opt_start_seq=spec.start_seq,
+            filter_subjects=list(spec.filter_subjects),
+        )
+        try:
+            await self.js.add_consumer(stream, config=cfg)
+        except nats.js.errors.BadRequestError as exc:
+            # Exists with another config (e.g. new filters): update what may be updated.
+            if exc.err_code not in (10148, 10013):  # consumer already exists / name in use
+                raise
+            cfg.deliver_policy = None
+            cfg.opt_start_seq = None
+            await self.js.add_consumer(stream, config=cfg)
+        sub = await self.js.pull_subscribe_bind(durable=spec.durable, stream=stream)
+        return PullConsumer(self, spec, sub)
+
+    async def tail(
+        self,
+        run_id: str,
+        *,
+        from_seq: int | None = None,
+        filter_subject: str | None = None,
+        idle_timeout: float | None = None,
+    ) -> AsyncIterator[TailItem]:
+        """Read the run's log in order from ``from_seq`` (default: the start), forever or until
+        ``idle_timeout`` seconds pass with nothing new. Undecodable messages are yielded with
+        ``error`` set rather than skipped, so a reader sees the whole log."""
+        subject = filter_subject or subjects.all_subjects(run_id)
+        queue: asyncio.Queue[Msg] = asyncio.Queue(maxsize=10_000)
+
+        async def on_msg(msg: Msg) -> None:
+            await queue.put(msg)
+
+        cfg = api.ConsumerConfig(
+            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE if from_seq else api.DeliverPolicy.ALL,
+            opt_start_seq=from_seq,
+        )
+        sub = await self.js.subscribe(
+            subject,
+            stream=stream_name(run_id),
+            cb=on_msg,
+            ordered_consumer=True,
+            config=cfg,
+            idle_heartbeat=5.0,
+        )
+        try:
+            while True:
+                try:
+                    msg = await asyncio.wait_for(queue.get(), timeout=idle_timeout)
+                except asyncio.TimeoutError:
+                    return
+                meta = msg.metadata
+                try:
+                    item = TailItem(meta.sequence.stream, msg.subject, ev.decode_event(msg.data, msg.headers), None)
+                except ev.EventDecodeError as exc:
+                    item = TailItem(meta.sequence.stream, msg.subject, None, exc)
+                yield item
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def last_seq(self, run_id: str) -> int:
+        info = await self.js.stream_info(stream_name(run_id))
+        return int(info.state.last_seq)
+
+
+@dataclass(frozen=True)
+class TailItem:
+    seq: int
+    subject: str
+    event: ev.Event | None
+    error: ev.EventDecodeError | None
+
+
+# ---------------------------------------------------------------------- publisher
+
+
+@dataclass
+class _Pending:
+    subject: str
+    data: bytes
+    headers: dict[str, str]
+    attempts: int = 1
+    future: asyncio.Future[api.PubAck] | None = None
+    sent_at: float = 0.0
+
+
+class Publisher:
+    """Pipelined publishing: up to ``max_inflight`` un-acked publishes, no ack lost track of.
+
+    ``publish`` returns once the message is handed to the connection (blocking when the window
+    is full); ``flush`` waits for every ack, re-sends what failed or timed out (safe: the
+    server deduplicates by event id) and raises :class:`PublishError` for what still failed.
+    """
+
+    def __init__(self, bus: Bus, *, max_inflight: int, ack_timeout: float, retries: int) -> None:
+        self.bus = bus
+        self.max_inflight = max_inflight
+        self.ack_timeout = ack_timeout
+        self.retries = retries
+        self._window = asyncio.Semaphore(max_inflight)
+        self._pending: dict[str, _Pending] = {}
+        self._failed: dict[str, BaseException] = {}
+        self._retry: list[str] = []
+        self.published = 0
+        self.duplicates = 0
+        self.resent = 0
+
+    @property
+    def inflight(self) -> int:
+        return len(self._pending)
+
+    async def publish(self, event: ev.Event) -> None:
+        await self.publish_encoded(subjects.subject_for(event), ev.encode_event(event), ev.event_headers(event))
+
+    async def publish_encoded(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
+        event_id = headers[ev.HEADER_MSG_ID]
+        if self._retry:
+            await self._resend_failed()
+        await self._window.acquire()
+        p = _Pending(subject, data, headers)
+        self._pending[event_id] = p
+        await self._send(event_id, p)
+
+    async def _send(self, event_id: str, p: _Pending) -> None:
+        p.sent_at = time.monotonic()
+        try:
+            fut = await self.bus.js.publish_async(p.subject, p.data, headers=dict(p.headers))
+        except Exception as exc:  # the connection refused it outright: retry later
+            self._on_failure(event_id, p, exc)
+            return
+        p.future = fut
+        fut.add_done_callback(lambda f, eid=event_id, pend=p: self._on_done(eid, pend, f))
+
+    def _on_done(self, event_id: str, p: _Pending, fut: asyncio.Future[api.PubAck]) -> None:
+        if self._pending.get(event_id) is not p or p.future is not fut:
+            return  # a superseded attempt
+        if fut.cancelled():
+            self._on_failure(event_id, p, asyncio.CancelledError())
+            return
+        exc = fut.exception()
+        if exc is not None:
+            self._on_failure(event_id, p, exc)
+            return
+        ack = fut.result()
+        if ack.duplicate:
+            self.duplicates += 1
+        self.published += 1
+        del self._pending[event_id]
+        self._window.release()
+
+    def _on_failure(self, event_id: str, p: _Pending, exc: BaseException) -> None:
+        p.future = None
+        if p.attempts > self.retries or isinstance(exc, nats.js.errors.APIError) and not isinstance(
+            exc, nats.js.errors.ServiceUnavailableError
+        ):
+            # An API error (stream full, wrong subject...) will not heal by itself: surface it.
+            self._failed[event_id] = exc
+            self._pending.pop(event_id, None)
+            self._window.release()
+            log.error("publish_failed", event_id=event_id, subject=p.subject, error=repr(exc))
+            return
+        self._retry.append(event_id)
+
+    async def _resend_failed(self) -> None:
+        retry, self._retry = self._retry, []
+        for event_id in retry:
+            p = self._pending.get(event_id)
+            if p is None:
+                continue
+            p.attempts += 1
+            self.resent += 1
+            await asyncio.sleep(min(0.05 * 2**p.attempts, 2.0))
+            await self._send(event_id, p)
+
+    async def flush(self, timeout: float | None = None) -> None:
+        """Wait until every publish is acked or has definitively failed; raise if any failed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._pending:
+            if deadline is not None and time.monotonic() > deadline:
+                raise BusError(f"flush timed out with {len(self._pending)} publishes unacked")
+            if self._retry:
+                await self._resend_failed()
+            now = time.monotonic()
+            for event_id, p in list(self._pending.items()):
+                if p.future is not None and not p.future.done() and now - p.sent_at > self.ack_timeout:
+                    # No ack in time (e.g. lost in a reconnect): re-send under the same id.
+                    stale, p.future = p.future, None
+                    stale.cancel()
+                    if p.attempts > self.retries:
+                        self._failed[event_id] = BusError(f"no ack after {p.attempts} attempts")
+                        del self._pending[event_id]
+                        self._window.release()
+                    else:
+                        self._retry.append(event_id)
+            await asyncio.sleep(0.002 if len(self._pending) < 64 else 0.01)
+        if self._failed:
+            failed, self._failed = self._failed, {}
+            raise PublishError(failed)
+
+    async def __aenter__(self) -> Publisher:
+        return self
+
+    async def __aexit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            await self.flush()
+
+
+# ---------------------------------------------------------------------- consumer
+
+
+@dataclass
+class ConsumerSpec:
+    run_id: str
+    durable: str
+    filter_subjects: Sequence[str]
+    ack_wait: float = 30.0
+    max_deliver: int = 5
+    # Delay before redelivery after the n-th failure (last value repeats).
+    backoff: Sequence[float] = (0.5, 2.0, 5.0, 15.0)
+    max_ack_pending: int = 1024
+    deliver_policy: api.DeliverPolicy = api.DeliverPolicy.ALL
+    start_seq: int | None = None
+    # Reject events whose envelope tenant differs from the subject's tenant token.
+    check_tenant: bool = True
+
+
+@dataclass
+class Delivery:
+    """One delivered event and the handle to settle it."""
+
+    event: ev.Event
+    seq: int
+    subject: str
+    num_delivered: int
+    msg: Msg
+    settled: bool = field(default=False, repr=False)
+
+    async def ack(self) -> None:
+        if not self.settled:
+            await self.msg.ack()
+            self.settled = True
+
+    async def nak(self, delay: float | None = None) -> None:
+        if not self.settled:
+            await self.msg.nak(delay=delay)
+            self.settled = True
+
+    async def in_progress(self) -> None:
+        """Tell the server the work goes on, resetting the ack-wait clock."""
+        if not self.settled:
+            await self.msg.in_progress()
+
+    @contextlib.asynccontextmanager
+    async def keep_alive(self, every: float) -> AsyncIterator[None]:
+        """Send in-progress acks every ``every`` seconds while a long piece of work runs."""
+
+        async def beat() -> None:
+            while True:
+                await asyncio.sleep(every)
+                with contextlib.suppress(Exception):
+                    await self.in_progress()
+
+        task = asyncio.create_task(beat())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+Handler = Callable[[ev.Event, Delivery], Awaitable[None]]
+
+
+@dataclass
+class ConsumerStats:
+    delivered: int = 0
+    acked: int = 0
+    retried: int = 0
+    dead_lettered: int = 0
+    by_reason: dict[str, int] = field(default_factory=dict)
+
+
+class PullConsumer:
+    def __init__(self, bus: Bus, spec: ConsumerSpec, sub: JetStreamContext.PullSubscription) -> None:
+        self.bus = bus
+        self.spec = spec
+        self.sub = sub
+        self.stats = ConsumerStats()
+        self.log = log.bind(run_id=spec.run_id, consumer=spec.durable)
+
+    async def fetch(self, batch: int = 64, timeout: float = 1.0) -> list[Delivery]:
+        """Fetch up to ``batch`` events. Poison messages (undecodable, spoofed, delivered too
+        often) are dead-lettered and acked here and never returned. Returns [] on timeout and
+        while the connection is down (the caller just loops)."""
+        try:
+            msgs = await self.sub.fetch(batch, timeout=timeout)
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            return []
+        except _RETRYABLE as exc:
+            self.log.warning("fetch_retry", error=repr(exc))
+            await asyncio.sleep(0.2)
+            return []
+        out: list[Delivery] = []
+        for msg in msgs:
+            d = await self._admit(msg)
+            if d is not None:
+                out.append(d)
+        return out
+
+    async def _admit(self, msg: Msg) -> Delivery | None:
+        meta = msg.metadata
+        seq, n = meta.sequence.stream, meta.num_delivered
+        self.stats.delivered += 1
+        try:
+            event = ev.decode_event(msg.data, msg.headers)
+        except ev.EventDecodeError as exc:
+            await self._dead_letter_msg(msg, exc.reason, str(exc))
+            return None
+        if event.run_id != self.spec.run_id:
+            await self._dead_letter_msg(msg, "spoofed", f"envelope run {event.run_id!r} on run {self.spec.run_id!r}", event)
+            return None
+        if self.spec.check_tenant:
+            sub_tenant = subjects.tenant_of(msg.subject)
+            if sub_tenant is not None and sub_tenant != event.tenant:
+                await self._dead_letter_msg(
+                    msg, "spoofed", f"envelope tenant {event.tenant!r} published under tenant {sub_tenant!r}", event
+                )
+                return None
+        if n > self.spec.max_deliver:
+            # Delivered more often than allowed without being settled (e.g. it crashes its
+            # handler's process every time): park it instead of looping forever.
+            await self._dead_letter_msg(msg, "max_deliver", f"delivered {n} times without success", event)
+            return None
+        return Delivery(event=event, seq=seq, subject=msg.subject, num_delivered=n, msg=msg)
+
+    async def dead_letter(self, d: Delivery, reason: str, detail: str) -> None:
+        await self._dead_letter_msg(d.msg, reason, detail, d.event)
+        d.settled = True
+
+    async def _dead_letter_msg(self, msg: Msg, reason: str, detail: str, event: ev.Event | None = None) -> None:
+        meta = msg.metadata
+        seq = meta.sequence.stream
+        headers = dict(msg.headers or {})
+        body = ev.DeadLettered(
+            reason=reason,
+            detail=detail[:4000],
+            consumer=self.spec.durable,
+            original_subject=msg.subject,
+            original_stream_seq=seq,
+            delivery_count=meta.num_delivered,
+            original_event_id=event.event_id if event else headers.get(ev.HEADER_MSG_ID),
+            original_type=event.type if event else headers.get(ev.HEADER_TYPE),
+            original_headers=headers,
+            original_data=bytes(msg.data),
+        )
+        # Deterministic id: a dead letter re-sent after a crash is stored once.
+        dl_id = uuid.uuid5(uuid.NAMESPACE_URL, f"dlq/{self.spec.run_id}/{self.spec.durable}/{seq}").hex
+        dl = ev.new_event(
+            body,
+            run_id=self.spec.run_id,
+            tenant=event.tenant if event else "default",
+            causation_id=body.original_event_id,
+            event_id=dl_id,
+        )
+        await self.bus.publish(dl)
+        await msg.ack()
+        self.stats.dead_lettered += 1
+        self.stats.by_reason[reason] = self.stats.by_reason.get(reason, 0) + 1
+        self.log.warning("dead_lettered", seq=seq, reason=reason, detail=detail[:300], subject=msg.subject)
+
+    async def settle_failure(self, d: Delivery, exc: BaseException) -> None:
+        """After a handler error: retry later with backoff, or dead-letter once exhausted."""
+        if isinstance(exc, Reject):
+            await self.dead_letter(d, exc.reason, exc.detail)
+            return
+        if d.num_delivered >= self.spec.max_deliver:
+            await self.dead_letter(d, "max_deliver", f"failed {d.num_delivered} times; last error: {exc!r}")
+            return
+        backoff = self.spec.backoff or (1.0,)
+        delay = backoff[min(d.num_delivered - 1, len(backoff) - 1)]
+        self.stats.retried += 1
+        self.log.warning("handler_failed", seq=d.seq, attempt=d.num_delivered, retry_in_s=delay, error=repr(exc))
+        await d.nak(delay=delay)
+
+    async def run(
+        self,
+        handler: Handler,
+        *,
+        batch: int = 32,
+        fetch_timeout: float = 1.0,
+        stop: asyncio.Event | None = None,
+    ) -> None:
+        """Handle events one at a time until ``stop`` is set. A handler acks implicitly by
+        returning (or explicitly via the delivery), raises :class:`Reject` to dead-letter, or
+        raises anything else to be retried with backoff."""
+        stop = stop or asyncio.Event()
+        while not stop.is_set():
+            for d in await self.fetch(batch, timeout=fetch_timeout):
+                try:
+                    await handler(d.event, d)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    await self.settle_failure(d, exc)
+                    continue
+                await d.ack()
+                self.stats.acked += 1
+
+    async def info(self) -> api.ConsumerInfo:
+        return await self.bus.js.consumer_info(stream_name(self.spec.run_id), self.spec.durable)
+
+    async def unsubscribe(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.sub.unsubscribe()

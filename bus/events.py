@@ -1,0 +1,406 @@
+"""The event catalog: one envelope, typed and versioned bodies, a strict codec.
+
+Wire format (documented in docs/events.md): a msgpack map
+``{event_id, type, schema_version, run_id, tenant, time, causation_id, body}``; the type and
+schema version also travel as NATS headers so a reader can route without decoding.
+
+Decoding is strict: an unknown ``type`` or a ``schema_version`` newer than this code knows is
+rejected with a clear error instead of being mis-read. Older versions of a body decode as long as
+every field added since has a default (the rule for evolving a body).
+"""
+
+from __future__ import annotations
+
+import time as _time
+import uuid
+from typing import Any, ClassVar, Literal, TypeVar
+
+import msgspec
+
+__all__ = [
+    "CATALOG",
+    "ArrayRef",
+    "DeadLettered",
+    "Event",
+    "EventBody",
+    "EventDecodeError",
+    "GenerationCompleted",
+    "GenerationTimings",
+    "InlineArray",
+    "MalformedEvent",
+    "PayloadRef",
+    "PolicyVersionPublished",
+    "RolloutScored",
+    "RolloutWithheld",
+    "RunFinished",
+    "RunStarted",
+    "StepCompleted",
+    "TaskSubmitted",
+    "UnknownEventType",
+    "UnsupportedSchemaVersion",
+    "WeightsLoaded",
+    "WeightsReady",
+    "WorkerHeartbeat",
+    "decode_event",
+    "encode_event",
+    "event_headers",
+    "new_event",
+]
+
+HEADER_TYPE = "Jetrl-Type"
+HEADER_SCHEMA = "Jetrl-Schema"
+HEADER_MSG_ID = "Nats-Msg-Id"
+
+
+class EventDecodeError(ValueError):
+    """Raised for any message that cannot be read as a jetrl event. ``reason`` is a short slug
+    (used in dead-letter subjects), the message says what exactly was wrong."""
+
+    reason = "malformed"
+
+
+class MalformedEvent(EventDecodeError):
+    reason = "malformed"
+
+
+class UnknownEventType(EventDecodeError):
+    reason = "unknown_type"
+
+
+class UnsupportedSchemaVersion(EventDecodeError):
+    reason = "unsupported_schema"
+
+
+# ----------------------------------------------------------------------------- arrays
+
+
+class InlineArray(msgspec.Struct, frozen=True, tag="inline"):
+    """A small array carried inside the event: raw little-endian bytes plus dtype and shape."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+
+class PayloadRef(msgspec.Struct, frozen=True, tag="ref"):
+    """A claim-check: where a large blob lives and how to check it.
+
+    ``store`` names the payload store kind ("objstore", "file", "mooncake"), ``bucket`` and
+    ``name`` locate it there. ``dtype``/``shape`` are set when the blob is an array."""
+
+    store: str
+    bucket: str
+    name: str
+    size: int
+    sha256: str
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+
+
+ArrayRef = InlineArray | PayloadRef
+
+
+# ----------------------------------------------------------------------------- bodies
+
+
+class EventBody(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Base of all bodies. ``TYPE`` is the wire name, ``SCHEMA_VERSION`` its current version."""
+
+    TYPE: ClassVar[str]
+    SCHEMA_VERSION: ClassVar[int] = 1
+
+
+class RunStarted(EventBody):
+    TYPE: ClassVar[str] = "RunStarted"
+    config: dict[str, Any]
+    code_version: str
+    host: str = ""
+    library_versions: dict[str, str] = {}
+
+
+class RunFinished(EventBody):
+    TYPE: ClassVar[str] = "RunFinished"
+    status: Literal["completed", "failed", "cancelled"]
+    steps: int
+    reason: str = ""
+
+
+class TaskSubmitted(EventBody):
+    """A task handed out for generation: one prompt, ``group_size`` samples wanted."""
+
+    TYPE: ClassVar[str] = "TaskSubmitted"
+    task_id: str
+    env: str
+    group_size: int
+    prompt_tokens: list[int]
+    prompt_text: str = ""
+    max_tokens: int = 0
+    episode_id: str = ""
+    turn: int = 0
+    info: dict[str, Any] = {}
+
+
+class GenerationTimings(msgspec.Struct, frozen=True, omit_defaults=True):
+    queued_s: float = 0.0
+    generate_s: float = 0.0
+    load_wait_s: float = 0.0
+
+
+class GenerationCompleted(EventBody):
+    """One completion of a task. ``logprobs`` are the inference logprobs of the sampled
+    tokens (float32, one per completion token); ``routing_trace`` is
+    ``[tokens, moe_layers, top_k]`` uint8/uint16 over prompt+completion tokens (MoE only)."""
+
+    TYPE: ClassVar[str] = "GenerationCompleted"
+    generation_id: str
+    task_id: str
+    env: str
+    group_id: str
+    sample_index: int
+    group_size: int
+    prompt_tokens: ArrayRef
+    completion_tokens: ArrayRef
+    logprobs: ArrayRef
+    policy_version_start: int
+    policy_version_end: int
+    worker_id: str
+    finish_reason: Literal["stop", "length", "error"] = "stop"
+    routing_trace: ArrayRef | None = None
+    timings: GenerationTimings = GenerationTimings()
+    episode_id: str = ""
+    turn: int = 0
+
+
+class RolloutScored(EventBody):
+    """A scored completion: the unit the trainer consumes. It carries the generation's array
+    references (not copies of large arrays) so the trainer needs no other event."""
+
+    TYPE: ClassVar[str] = "RolloutScored"
+    rollout_id: str
+    generation_event_id: str
+    task_id: str
+    env: str
+    group_id: str
+    sample_index: int
+    group_size: int
+    reward: float
+    prompt_tokens: ArrayRef
+    completion_tokens: ArrayRef
+    logprobs: ArrayRef
+    policy_version_start: int
+    policy_version_end: int
+    reward_parts: dict[str, float] = {}
+    routing_trace: ArrayRef | None = None
+
+
+class RolloutWithheld(EventBody):
+    """A rollout the trainer will not train on, and why: never dropped in silence."""
+
+    TYPE: ClassVar[str] = "RolloutWithheld"
+    rollout_id: str
+    group_id: str
+    env: str
+    reason: Literal["stale", "invalid", "incomplete_group"]
+    trainer_step: int
+    policy_version: int
+    staleness: int = 0
+    detail: str = ""
+
+
+class StepCompleted(EventBody):
+    """One optimizer step and exactly the rollouts it consumed, in training order."""
+
+    TYPE: ClassVar[str] = "StepCompleted"
+    step: int
+    policy_version: int
+    rollout_ids: list[str]
+    rollout_seqs: list[int] = []
+    metrics: dict[str, float] = {}
+    tokens: int = 0
+    duration_s: float = 0.0
+
+
+class PolicyVersionPublished(EventBody):
+    TYPE: ClassVar[str] = "PolicyVersionPublished"
+    version: int
+    step: int
+    weights_checksum: str
+    parent_version: int | None = None
+
+
+class WeightsReady(EventBody):
+    """The bytes of a policy version are readable at ``location``; ``weights_checksum`` is the
+    content checksum of the tensors (layout independent), ``location.sha256`` that of the bytes."""
+
+    TYPE: ClassVar[str] = "WeightsReady"
+    version: int
+    location: PayloadRef
+    weights_checksum: str
+    format: str = "safetensors"
+
+
+class WeightsLoaded(EventBody):
+    TYPE: ClassVar[str] = "WeightsLoaded"
+    version: int
+    worker_id: str
+    load_s: float = 0.0
+    checksum_verified: bool = True
+
+
+class WorkerHeartbeat(EventBody):
+    TYPE: ClassVar[str] = "WorkerHeartbeat"
+    worker_id: str
+    kind: str
+    status: Literal["starting", "ready", "busy", "stopping"] = "ready"
+    loaded_version: int | None = None
+    inflight: int = 0
+    stats: dict[str, float] = {}
+
+
+class DeadLettered(EventBody):
+    """A message that could never be processed, kept whole: its original bytes and headers."""
+
+    TYPE: ClassVar[str] = "DeadLettered"
+    reason: str
+    detail: str
+    consumer: str
+    original_subject: str
+    original_stream_seq: int
+    delivery_count: int = 1
+    original_event_id: str | None = None
+    original_type: str | None = None
+    original_headers: dict[str, str] = {}
+    original_data: bytes = b""
+
+
+CATALOG: dict[str, type[EventBody]] = {
+    cls.TYPE: cls
+    for cls in (
+        RunStarted,
+        RunFinished,
+        TaskSubmitted,
+        GenerationCompleted,
+        RolloutScored,
+        RolloutWithheld,
+        StepCompleted,
+        PolicyVersionPublished,
+        WeightsReady,
+        WeightsLoaded,
+        WorkerHeartbeat,
+        DeadLettered,
+    )
+}
+
+# ----------------------------------------------------------------------------- envelope
+
+B = TypeVar("B", bound=EventBody)
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True):
+    """Envelope + body. ``event_id`` is also the NATS message id (publish deduplication)."""
+
+    event_id: str
+    type: str
+    schema_version: int
+    run_id: str
+    tenant: str
+    time: float
+    causation_id: str | None = None
+    body: EventBody
+
+
+class _WireEnvelope(msgspec.Struct, kw_only=True):
+    # Body stays raw until type and version are checked, so a newer body is never mis-read.
+    event_id: str
+    type: str
+    schema_version: int
+    run_id: str
+    tenant: str
+    time: float
+    causation_id: str | None = None
+    body: msgspec.Raw
+
+
+def new_event_id() -> str:
+    return uuid.uuid4().hex
+
+
+def new_event(
+    body: EventBody,
+    *,
+    run_id: str,
+    tenant: str = "default",
+    causation_id: str | None = None,
+    event_id: str | None = None,
+    time: float | None = None,
+) -> Event:
+    """Wrap a body in a fresh envelope. Pass ``event_id`` to make a reaction idempotent: the
+    same id published twice is stored once."""
+    if type(body).TYPE not in CATALOG:
+        raise TypeError(f"{type(body).__name__} is not in the event catalog")
+    return Event(
+        event_id=event_id or new_event_id(),
+        type=type(body).TYPE,
+        schema_version=type(body).SCHEMA_VERSION,
+        run_id=run_id,
+        tenant=tenant,
+        time=_time.time() if time is None else time,
+        causation_id=causation_id,
+        body=body,
+    )
+
+
+_encoder = msgspec.msgpack.Encoder()
+_envelope_decoder = msgspec.msgpack.Decoder(_WireEnvelope)
+_body_decoders: dict[str, msgspec.msgpack.Decoder[Any]] = {
+    name: msgspec.msgpack.Decoder(cls) for name, cls in CATALOG.items()
+}
+
+
+def encode_event(event: Event) -> bytes:
+    return _encoder.encode(event)
+
+
+def event_headers(event: Event) -> dict[str, str]:
+    return {
+        HEADER_MSG_ID: event.event_id,
+        HEADER_TYPE: event.type,
+        HEADER_SCHEMA: str(event.schema_version),
+    }
+
+
+def decode_event(data: bytes | memoryview, headers: dict[str, str] | None = None) -> Event:
+    """Decode and validate one event; raises a subclass of :class:`EventDecodeError`."""
+    try:
+        env = _envelope_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MalformedEvent(f"not a jetrl event envelope: {exc}") from None
+    cls = CATALOG.get(env.type)
+    if cls is None:
+        raise UnknownEventType(
+            f"unknown event type {env.type!r} (this code knows {len(CATALOG)} types; "
+            "is the reader older than the writer?)"
+        )
+    if env.schema_version > cls.SCHEMA_VERSION or env.schema_version < 1:
+        raise UnsupportedSchemaVersion(
+            f"{env.type} schema_version {env.schema_version} is not supported "
+            f"(this code reads 1..{cls.SCHEMA_VERSION}); upgrade the reader"
+        )
+    if headers:
+        htype = headers.get(HEADER_TYPE)
+        if htype is not None and htype != env.type:
+            raise MalformedEvent(f"header type {htype!r} disagrees with envelope type {env.type!r}")
+    try:
+        body = _body_decoders[env.type].decode(env.body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MalformedEvent(f"invalid {env.type} body: {exc}") from None
+    return Event(
+        event_id=env.event_id,
+        type=env.type,
+        schema_version=env.schema_version,
+        run_id=env.run_id,
+        tenant=env.tenant,
+        time=env.time,
+        causation_id=env.causation_id,
+        body=body,
+    )

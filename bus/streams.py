@@ -1,0 +1,146 @@
+"""One JetStream stream per run (its log) and one object-store bucket (its payloads).
+
+Limits are explicit (docs/events.md, "Limits"): the log is never trimmed behind a consumer's
+back. When a limit is reached JetStream refuses new publishes (discard=new) and the publisher
+raises, instead of silently deleting the oldest facts of the run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import nats.js.errors
+from nats.js import JetStreamContext, api
+
+from jetrl.bus import subjects
+from jetrl.bus.log import get_logger
+
+log = get_logger(__name__)
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class StreamLimits:
+    """Per-run limits. JetStream reserves ``max_bytes`` up front, so they must fit the server's
+    store. Defaults hold a days-long run on one machine: at ~1 KiB per event 8 GiB is ~8 M
+    events (the demo writes ~50 k); payloads (tokens, traces, weights) have their own bucket.
+    Raise both for a cluster run (``[bus]`` section of the run config)."""
+
+    max_bytes: int = 8 * GiB
+    max_msgs: int = -1
+    max_age_s: float = 0.0  # 0 = keep forever
+    max_msg_size: int = 8 * 1024 * 1024
+    duplicate_window_s: float = 120.0
+    payload_max_bytes: int = 32 * GiB
+    replicas: int = 1
+
+    def stream_config(self, run_id: str) -> api.StreamConfig:
+        return api.StreamConfig(
+            name=stream_name(run_id),
+            description=f"jetrl event log of run {run_id}",
+            subjects=[subjects.all_subjects(run_id)],
+            retention=api.RetentionPolicy.LIMITS,
+            storage=api.StorageType.FILE,
+            discard=api.DiscardPolicy.NEW,
+            max_bytes=self.max_bytes,
+            max_msgs=self.max_msgs,
+            max_age=self.max_age_s,
+            max_msg_size=self.max_msg_size,
+            duplicate_window=self.duplicate_window_s,
+            num_replicas=self.replicas,
+            allow_direct=True,
+        )
+
+
+class StreamSetupError(RuntimeError):
+    def __init__(self, name: str, max_bytes: int, exc: Exception) -> None:
+        hint = ""
+        if getattr(exc, "err_code", None) == 10047:
+            hint = (
+                f" The server cannot reserve {max_bytes / GiB:.1f} GiB: lower the run's bus limits "
+                "(max_bytes, payload_max_bytes) or raise the server's jetstream max_file_store."
+            )
+        super().__init__(f"cannot create stream {name}: {exc}.{hint}")
+
+
+def stream_name(run_id: str) -> str:
+    return f"JETRL_{subjects.check_token(run_id, 'run id')}"
+
+
+def payload_bucket(run_id: str) -> str:
+    return f"jetrl_{subjects.check_token(run_id, 'run id')}_payloads"
+
+
+async def ensure_run_stream(
+    js: JetStreamContext, run_id: str, limits: StreamLimits | None = None
+) -> api.StreamInfo:
+    """Create the run's stream, or check the existing one. Idempotent; limits of an existing
+    stream are updated (raising them is always safe, lowering them is JetStream's call)."""
+    limits = limits or StreamLimits()
+    cfg = limits.stream_config(run_id)
+    try:
+        info = await js.stream_info(cfg.name)  # type: ignore[arg-type]
+    except nats.js.errors.NotFoundError:
+        try:
+            info = await js.add_stream(cfg)
+        except nats.js.errors.APIError as exc:
+            raise StreamSetupError(cfg.name, limits.max_bytes, exc) from exc
+        log.info("stream_created", run_id=run_id, stream=cfg.name, max_bytes=limits.max_bytes)
+        return info
+    current = info.config
+    if (
+        current.max_bytes != cfg.max_bytes
+        or current.max_msgs != cfg.max_msgs
+        or current.max_msg_size != cfg.max_msg_size
+        or current.duplicate_window != cfg.duplicate_window
+    ):
+        info = await js.update_stream(cfg)
+        log.info("stream_limits_updated", run_id=run_id, stream=cfg.name)
+    return info
+
+
+async def ensure_payload_bucket(js: JetStreamContext, run_id: str, limits: StreamLimits | None = None):  # noqa: ANN201
+    limits = limits or StreamLimits()
+    bucket = payload_bucket(run_id)
+    try:
+        return await js.object_store(bucket)
+    except nats.js.errors.BucketNotFoundError:
+        pass
+    try:
+        return await js.create_object_store(
+            bucket,
+            config=api.ObjectStoreConfig(
+                description=f"jetrl payloads of run {run_id}",
+                storage=api.StorageType.FILE,
+                max_bytes=limits.payload_max_bytes,
+                replicas=limits.replicas,
+            ),
+        )
+    except nats.js.errors.APIError as exc:
+        raise StreamSetupError(bucket, limits.payload_max_bytes, exc) from exc
+
+
+@dataclass(frozen=True)
+class StreamUsage:
+    messages: int
+    bytes: int
+    first_seq: int
+    last_seq: int
+    max_bytes: int
+
+    @property
+    def fill(self) -> float:
+        return self.bytes / self.max_bytes if self.max_bytes > 0 else 0.0
+
+
+async def stream_usage(js: JetStreamContext, run_id: str) -> StreamUsage:
+    info = await js.stream_info(stream_name(run_id))
+    st = info.state
+    return StreamUsage(
+        messages=st.messages,
+        bytes=st.bytes,
+        first_seq=st.first_seq,
+        last_seq=st.last_seq,
+        max_bytes=info.config.max_bytes or -1,
+    )

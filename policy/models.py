@@ -1,0 +1,336 @@
+"""Model configs and builders: Qwen3 (MoE and dense) decoders built from torchtitan's model code.
+
+jetrl does not define its own transformer. A :class:`ModelConfig` is turned into a torchtitan
+``Qwen3Model.Config`` with torchtitan's public config helpers (``make_gqa_config``,
+``make_moe_config``, ...) and built by torchtitan. The one jetrl module in the tree is the
+inner attention on CPU, :class:`CachedSDPA`, a subclass of torchtitan's
+``ScaledDotProductAttention``:
+
+* torchtitan 0.3.0 only offers flex/varlen for language models; flex has no backward on CPU and
+  varlen is CUDA-only. Our rollouts are one document per row (right-padded for training), so
+  plain causal SDPA is exact: right padding never influences earlier positions.
+* For generation it also accepts a :class:`KVCache` through the model's ``attention_masks``
+  argument, so each position is computed exactly once. That makes the routing trace well defined
+  (a token's experts are chosen once, in the forward that produced the next token).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from jetrl.policy.titan import (
+    CosSinRoPE,
+    Embedding,
+    Linear,
+    MoE,
+    Qwen3Model,
+    Qwen3TransformerBlock,
+    RMSNorm,
+    ScaledDotProductAttention,
+    TokenChoiceTopKRouter,
+    get_attention_config,
+    make_ffn_config,
+    make_gqa_config,
+    make_moe_config,
+    make_routed_experts_config,
+    make_router_config,
+)
+
+AttentionKind = Literal["sdpa", "flex", "varlen"]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Architecture of a Qwen3-family decoder. ``num_experts == 0`` gives a dense model."""
+
+    name: str
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    max_seq_len: int
+    num_experts: int = 0
+    top_k: int = 0
+    moe_hidden_dim: int = 0
+    dense_hidden_dim: int = 0
+    rope_theta: float = 1_000_000.0
+    tie_embeddings: bool = False
+    # "sdpa" is jetrl's CachedSDPA (CPU, generation with KV cache); flex/varlen are torchtitan's.
+    attention: AttentionKind = "sdpa"
+    # torchtitan's auxiliary-loss-free balancing bias; None keeps routing a pure function of
+    # the weights, which replay and bit-exact recovery rely on.
+    load_balance_coeff: float | None = None
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    route_norm: bool = True
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.num_experts and not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"top_k must be in 1..{self.num_experts}, got {self.top_k}")
+        if self.num_experts and self.moe_hidden_dim <= 0:
+            raise ValueError("an MoE config needs moe_hidden_dim > 0")
+        if not self.num_experts and self.dense_hidden_dim <= 0:
+            raise ValueError("a dense config needs dense_hidden_dim > 0")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError("n_heads must be a multiple of n_kv_heads")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.n_layers if self.is_moe else 0
+
+    def replace(self, **changes: object) -> ModelConfig:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+# Small configs run on a laptop CPU; the published sizes are config entries for GPU trainers
+# (tests check them against torchtitan's own registry).
+CONFIGS: dict[str, ModelConfig] = {
+    "tiny-moe": ModelConfig(
+        name="tiny-moe", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+        max_seq_len=256, num_experts=8, top_k=2, moe_hidden_dim=64, rope_theta=10_000.0,
+    ),
+    "tiny-moe-4l": ModelConfig(
+        name="tiny-moe-4l", vocab_size=64, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16,
+        max_seq_len=256, num_experts=8, top_k=2, moe_hidden_dim=64, rope_theta=10_000.0,
+    ),
+    "tiny-dense": ModelConfig(
+        name="tiny-dense", vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+        max_seq_len=256, dense_hidden_dim=128, rope_theta=10_000.0,
+    ),
+    "qwen3-30b-a3b": ModelConfig(
+        name="qwen3-30b-a3b", vocab_size=151936, dim=2048, n_layers=48, n_heads=32, n_kv_heads=4,
+        head_dim=128, max_seq_len=40960, num_experts=128, top_k=8, moe_hidden_dim=768,
+        attention="flex", load_balance_coeff=1e-3,
+    ),
+    "qwen3-235b-a22b": ModelConfig(
+        name="qwen3-235b-a22b", vocab_size=151936, dim=4096, n_layers=94, n_heads=64, n_kv_heads=4,
+        head_dim=128, max_seq_len=40960, num_experts=128, top_k=8, moe_hidden_dim=1536,
+        rope_theta=5_000_000.0, attention="flex", load_balance_coeff=1e-3,
+    ),
+}
+
+
+def get_config(name: str, **overrides: object) -> ModelConfig:
+    try:
+        base = CONFIGS[name]
+    except KeyError:
+        raise KeyError(f"unknown model config {name!r}; known: {sorted(CONFIGS)}") from None
+    return base.replace(**overrides) if overrides else base
+
+
+class KVCache:
+    """Keys/values of one batched generation, handed to the model as ``attention_masks``.
+
+    Call :meth:`begin` before each forward with the validity of the new positions (False for
+    padding); every attention layer then appends its keys/values and reads the shared mask.
+    """
+
+    def __init__(self) -> None:
+        self._kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.key_valid: torch.Tensor | None = None
+        self.mask: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.key_valid is None else self.key_valid.shape[1]
+
+    def begin(self, valid: torch.Tensor) -> None:
+        prev = self.length
+        self.key_valid = valid if self.key_valid is None else torch.cat([self.key_valid, valid], 1)
+        n_new, total = valid.shape[1], self.key_valid.shape[1]
+        q_pos = torch.arange(prev, prev + n_new, device=valid.device)[:, None]
+        k_pos = torch.arange(total, device=valid.device)[None, :]
+        allowed = (k_pos <= q_pos)[None] & self.key_valid[:, None, :]
+        # A padding query still sees itself: an all-masked row would turn into NaNs that then
+        # leak through 0 * NaN in later layers.
+        allowed = allowed | (k_pos == q_pos)[None]
+        self.mask = allowed[:, None]  # [B, 1, new, total]
+
+    def extend(self, owner: nn.Module, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        key = id(owner)
+        if key in self._kv:
+            k = torch.cat([self._kv[key][0], k], dim=1)
+            v = torch.cat([self._kv[key][1], v], dim=1)
+        self._kv[key] = (k, v)
+        return k, v
+
+
+class CachedSDPA(ScaledDotProductAttention):
+    """torchtitan's causal SDPA for training; masked SDPA over a :class:`KVCache` for generation."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ScaledDotProductAttention.Config):
+        pass
+
+    def forward(
+        self,
+        q_BLNH: torch.Tensor,
+        k_BLNH: torch.Tensor,
+        v_BLNH: torch.Tensor,
+        *,
+        attention_masks: object = None,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+        is_causal: bool = True,
+        **kwargs: object,
+    ) -> torch.Tensor:
+        if attention_masks is None:
+            return super().forward(
+                q_BLNH, k_BLNH, v_BLNH, scale=scale, enable_gqa=enable_gqa, is_causal=is_causal
+            )
+        if not isinstance(attention_masks, KVCache) or attention_masks.mask is None:
+            raise TypeError("CachedSDPA takes attention_masks=None or a KVCache after begin()")
+        k_all, v_all = attention_masks.extend(self, k_BLNH, v_BLNH)
+        out = F.scaled_dot_product_attention(
+            q_BLNH.transpose(1, 2),
+            k_all.transpose(1, 2),
+            v_all.transpose(1, 2),
+            attn_mask=attention_masks.mask,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
+        return out.transpose(1, 2)
+
+
+def _normal(std: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    return partial(nn.init.normal_, mean=0.0, std=std)
+
+
+def _linear_init(std: float) -> dict[str, Callable]:
+    return {"weight": _normal(std), "bias": nn.init.zeros_}
+
+
+def _norm(dim: int) -> RMSNorm.Config:
+    return RMSNorm.Config(normalized_shape=dim, eps=1e-6, param_init={"weight": nn.init.ones_})
+
+
+def to_titan_config(cfg: ModelConfig) -> Qwen3Model.Config:
+    """Translate a jetrl config into torchtitan's ``Qwen3Model.Config`` (nothing is built)."""
+    std = cfg.init_std
+    # Residual-branch outputs get depth-scaled init, as in Qwen3/Megatron practice.
+    out_std = std / math.sqrt(2 * cfg.n_layers)
+    inner = CachedSDPA.Config() if cfg.attention == "sdpa" else get_attention_config(cfg.attention)
+    rope = CosSinRoPE.Config(dim=cfg.head_dim, max_seq_len=cfg.max_seq_len, theta=cfg.rope_theta)
+    layers = []
+    for _ in range(cfg.n_layers):
+        attention = make_gqa_config(
+            dim=cfg.dim,
+            n_heads=cfg.n_heads,
+            n_kv_heads=cfg.n_kv_heads,
+            head_dim=cfg.head_dim,
+            wqkv_param_init=_linear_init(std),
+            wo_param_init=_linear_init(out_std),
+            inner_attention=inner,
+            fuse_qkv=True,
+            rope=rope,
+            qk_norm=_norm(cfg.head_dim),
+        )
+        moe = ffn = None
+        if cfg.is_moe:
+            moe = make_moe_config(
+                num_experts=cfg.num_experts,
+                load_balance_coeff=cfg.load_balance_coeff,
+                router=make_router_config(
+                    dim=cfg.dim,
+                    num_experts=cfg.num_experts,
+                    gate_param_init=_linear_init(std),
+                    top_k=cfg.top_k,
+                    score_func=cfg.score_func,
+                    route_norm=cfg.route_norm,
+                ),
+                routed_experts=make_routed_experts_config(
+                    dim=cfg.dim,
+                    hidden_dim=cfg.moe_hidden_dim,
+                    num_experts=cfg.num_experts,
+                    top_k=cfg.top_k,
+                    param_init={"w1_EFD": _normal(std), "w3_EFD": _normal(std), "w2_EDF": _normal(out_std)},
+                    comm_backend="standard",
+                ),
+            )
+        else:
+            ffn = make_ffn_config(
+                dim=cfg.dim,
+                hidden_dim=cfg.dense_hidden_dim,
+                w1_param_init=_linear_init(std),
+                w2w3_param_init=_linear_init(std),
+            )
+        layers.append(
+            Qwen3TransformerBlock.Config(
+                attention_norm=_norm(cfg.dim),
+                ffn_norm=_norm(cfg.dim),
+                attention=attention,
+                moe=moe,
+                feed_forward=ffn,
+            )
+        )
+    return Qwen3Model.Config(
+        vocab_size=cfg.vocab_size,
+        dim=cfg.dim,
+        norm=_norm(cfg.dim),
+        enable_weight_tying=cfg.tie_embeddings,
+        tok_embeddings=Embedding.Config(
+            num_embeddings=cfg.vocab_size,
+            embedding_dim=cfg.dim,
+            # A tied embedding is initialised through lm_head.
+            param_init={"weight": (lambda _t: None) if cfg.tie_embeddings else _normal(std)},
+        ),
+        lm_head=Linear.Config(in_features=cfg.dim, out_features=cfg.vocab_size, param_init=_linear_init(std)),
+        layers=layers,
+    )
+
+
+def build_model(
+    cfg: ModelConfig | str,
+    *,
+    seed: int | None = 0,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> Qwen3Model:
+    """Build and initialise a model. ``seed`` makes the init reproducible without touching the
+    global RNG stream; ``seed=None`` draws from it."""
+    if isinstance(cfg, str):
+        cfg = get_config(cfg)
+    titan_cfg = to_titan_config(cfg)
+    with torch.random.fork_rng(devices=[]):
+        if seed is not None:
+            torch.manual_seed(seed)
+        with torch.device(device):
+            model = titan_cfg.build()
+            model.init_states(buffer_device=torch.device(device))
+    model.jetrl_config = cfg  # type: ignore[attr-defined]
+    return model.to(dtype=dtype)
+
+
+def model_config(model: nn.Module) -> ModelConfig:
+    cfg = getattr(model, "jetrl_config", None)
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError("model was not built by jetrl.policy.models.build_model")
+    return cfg
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    """The model's MoE blocks in forward order (the trace's layer axis)."""
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def moe_routers(model: nn.Module) -> list[TokenChoiceTopKRouter]:
+    return [m.router for m in moe_layers(model)]
+
+
+def param_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
