@@ -49,7 +49,7 @@ class PublishError(BusError):
         super().__init__(f"{len(failed)} publish(es) failed; first {first[0]}: {first[1]!r}")
 
 
-class Reject(Exception):  # noqa: N818 - a verdict, not an error condition of the consumer
+class Reject(Exception):
     """Raised by a handler for a message that can never be processed: dead-lettered at once."""
 
     def __init__(self, detail: str, reason: str = "rejected") -> None:
@@ -114,7 +114,7 @@ class Bus:
                 disconnected_cb=on_disconnect,
                 reconnected_cb=on_reconnect,
             )
-        except (OSError, nats.errors.NoServersError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, OSError, nats.errors.NoServersError) as exc:
             raise BusError(
                 f"cannot connect to NATS at {', '.join(servers)}: {exc!r}. Is nats-server running "
                 "with JetStream (-js)? `jetrl run` without --nats-url starts a private one."
@@ -154,7 +154,9 @@ class Bus:
         subject = subjects.subject_for(event)
         data = ev.encode_event(event)
         headers = ev.event_headers(event)
-        return await self._publish_raw(subject, data, headers, timeout=timeout, retries=retries, backoff=backoff)
+        return await self._publish_raw(
+            subject, data, headers, timeout=timeout, retries=retries, backoff=backoff
+        )
 
     async def _publish_raw(
         self,
@@ -172,7 +174,9 @@ class Bus:
                 return await self.js.publish(subject, data, timeout=timeout, headers=dict(headers))
             except _RETRYABLE as exc:
                 if attempt == retries:
-                    raise BusError(f"publish to {subject} failed after {retries + 1} attempts: {exc!r}") from exc
+                    raise BusError(
+                        f"publish to {subject} failed after {retries + 1} attempts: {exc!r}"
+                    ) from exc
                 log.warning("publish_retry", subject=subject, attempt=attempt + 1, error=repr(exc))
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
@@ -244,11 +248,13 @@ class Bus:
             while True:
                 try:
                     msg = await asyncio.wait_for(queue.get(), timeout=idle_timeout)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     return
                 meta = msg.metadata
                 try:
-                    item = TailItem(meta.sequence.stream, msg.subject, ev.decode_event(msg.data, msg.headers), None)
+                    item = TailItem(
+                        meta.sequence.stream, msg.subject, ev.decode_event(msg.data, msg.headers), None
+                    )
                 except ev.EventDecodeError as exc:
                     item = TailItem(meta.sequence.stream, msg.subject, None, exc)
                 yield item
@@ -274,6 +280,7 @@ class TailItem:
 
 @dataclass
 class _Pending:
+    event_id: str
     subject: str
     data: bytes
     headers: dict[str, str]
@@ -296,9 +303,11 @@ class Publisher:
         self.ack_timeout = ack_timeout
         self.retries = retries
         self._window = asyncio.Semaphore(max_inflight)
-        self._pending: dict[str, _Pending] = {}
+        # Keyed by a local counter: the same event may legitimately be published twice.
+        self._pending: dict[int, _Pending] = {}
         self._failed: dict[str, BaseException] = {}
-        self._retry: list[str] = []
+        self._retry: list[int] = []
+        self._next = 0
         self.published = 0
         self.duplicates = 0
         self.resent = 0
@@ -308,67 +317,71 @@ class Publisher:
         return len(self._pending)
 
     async def publish(self, event: ev.Event) -> None:
-        await self.publish_encoded(subjects.subject_for(event), ev.encode_event(event), ev.event_headers(event))
+        await self.publish_encoded(
+            subjects.subject_for(event), ev.encode_event(event), ev.event_headers(event)
+        )
 
     async def publish_encoded(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
-        event_id = headers[ev.HEADER_MSG_ID]
         if self._retry:
             await self._resend_failed()
         await self._window.acquire()
-        p = _Pending(subject, data, headers)
-        self._pending[event_id] = p
-        await self._send(event_id, p)
+        p = _Pending(headers[ev.HEADER_MSG_ID], subject, data, headers)
+        key = self._next
+        self._next += 1
+        self._pending[key] = p
+        await self._send(key, p)
 
-    async def _send(self, event_id: str, p: _Pending) -> None:
+    async def _send(self, key: int, p: _Pending) -> None:
         p.sent_at = time.monotonic()
         try:
             fut = await self.bus.js.publish_async(p.subject, p.data, headers=dict(p.headers))
         except Exception as exc:  # the connection refused it outright: retry later
-            self._on_failure(event_id, p, exc)
+            self._on_failure(key, p, exc)
             return
         p.future = fut
-        fut.add_done_callback(lambda f, eid=event_id, pend=p: self._on_done(eid, pend, f))
+        fut.add_done_callback(lambda f, k=key, pend=p: self._on_done(k, pend, f))
 
-    def _on_done(self, event_id: str, p: _Pending, fut: asyncio.Future[api.PubAck]) -> None:
-        if self._pending.get(event_id) is not p or p.future is not fut:
+    def _on_done(self, key: int, p: _Pending, fut: asyncio.Future[api.PubAck]) -> None:
+        if self._pending.get(key) is not p or p.future is not fut:
             return  # a superseded attempt
         if fut.cancelled():
-            self._on_failure(event_id, p, asyncio.CancelledError())
+            self._on_failure(key, p, asyncio.CancelledError())
             return
         exc = fut.exception()
         if exc is not None:
-            self._on_failure(event_id, p, exc)
+            self._on_failure(key, p, exc)
             return
         ack = fut.result()
         if ack.duplicate:
             self.duplicates += 1
         self.published += 1
-        del self._pending[event_id]
+        del self._pending[key]
         self._window.release()
 
-    def _on_failure(self, event_id: str, p: _Pending, exc: BaseException) -> None:
+    def _on_failure(self, key: int, p: _Pending, exc: BaseException) -> None:
         p.future = None
-        if p.attempts > self.retries or isinstance(exc, nats.js.errors.APIError) and not isinstance(
-            exc, nats.js.errors.ServiceUnavailableError
+        if p.attempts > self.retries or (
+            isinstance(exc, nats.js.errors.APIError)
+            and not isinstance(exc, nats.js.errors.ServiceUnavailableError)
         ):
             # An API error (stream full, wrong subject...) will not heal by itself: surface it.
-            self._failed[event_id] = exc
-            self._pending.pop(event_id, None)
+            self._failed[p.event_id] = exc
+            self._pending.pop(key, None)
             self._window.release()
-            log.error("publish_failed", event_id=event_id, subject=p.subject, error=repr(exc))
+            log.error("publish_failed", event_id=p.event_id, subject=p.subject, error=repr(exc))
             return
-        self._retry.append(event_id)
+        self._retry.append(key)
 
     async def _resend_failed(self) -> None:
         retry, self._retry = self._retry, []
-        for event_id in retry:
-            p = self._pending.get(event_id)
+        for key in retry:
+            p = self._pending.get(key)
             if p is None:
                 continue
             p.attempts += 1
             self.resent += 1
             await asyncio.sleep(min(0.05 * 2**p.attempts, 2.0))
-            await self._send(event_id, p)
+            await self._send(key, p)
 
     async def flush(self, timeout: float | None = None) -> None:
         """Wait until every publish is acked or has definitively failed; raise if any failed."""
@@ -379,17 +392,17 @@ class Publisher:
             if self._retry:
                 await self._resend_failed()
             now = time.monotonic()
-            for event_id, p in list(self._pending.items()):
+            for key, p in list(self._pending.items()):
                 if p.future is not None and not p.future.done() and now - p.sent_at > self.ack_timeout:
                     # No ack in time (e.g. lost in a reconnect): re-send under the same id.
                     stale, p.future = p.future, None
                     stale.cancel()
                     if p.attempts > self.retries:
-                        self._failed[event_id] = BusError(f"no ack after {p.attempts} attempts")
-                        del self._pending[event_id]
+                        self._failed[p.event_id] = BusError(f"no ack after {p.attempts} attempts")
+                        del self._pending[key]
                         self._window.release()
                     else:
-                        self._retry.append(event_id)
+                        self._retry.append(key)
             await asyncio.sleep(0.002 if len(self._pending) < 64 else 0.01)
         if self._failed:
             failed, self._failed = self._failed, {}
@@ -493,7 +506,7 @@ class PullConsumer:
         while the connection is down (the caller just loops)."""
         try:
             msgs = await self.sub.fetch(batch, timeout=timeout)
-        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+        except (TimeoutError, nats.errors.TimeoutError):
             return []
         except _RETRYABLE as exc:
             self.log.warning("fetch_retry", error=repr(exc))
@@ -516,13 +529,18 @@ class PullConsumer:
             await self._dead_letter_msg(msg, exc.reason, str(exc))
             return None
         if event.run_id != self.spec.run_id:
-            await self._dead_letter_msg(msg, "spoofed", f"envelope run {event.run_id!r} on run {self.spec.run_id!r}", event)
+            await self._dead_letter_msg(
+                msg, "spoofed", f"envelope run {event.run_id!r} on run {self.spec.run_id!r}", event
+            )
             return None
         if self.spec.check_tenant:
             sub_tenant = subjects.tenant_of(msg.subject)
             if sub_tenant is not None and sub_tenant != event.tenant:
                 await self._dead_letter_msg(
-                    msg, "spoofed", f"envelope tenant {event.tenant!r} published under tenant {sub_tenant!r}", event
+                    msg,
+                    "spoofed",
+                    f"envelope tenant {event.tenant!r} published under tenant {sub_tenant!r}",
+                    event,
                 )
                 return None
         if n > self.spec.max_deliver:
@@ -536,7 +554,9 @@ class PullConsumer:
         await self._dead_letter_msg(d.msg, reason, detail, d.event)
         d.settled = True
 
-    async def _dead_letter_msg(self, msg: Msg, reason: str, detail: str, event: ev.Event | None = None) -> None:
+    async def _dead_letter_msg(
+        self, msg: Msg, reason: str, detail: str, event: ev.Event | None = None
+    ) -> None:
         meta = msg.metadata
         seq = meta.sequence.stream
         headers = dict(msg.headers or {})
@@ -578,7 +598,9 @@ class PullConsumer:
         backoff = self.spec.backoff or (1.0,)
         delay = backoff[min(d.num_delivered - 1, len(backoff) - 1)]
         self.stats.retried += 1
-        self.log.warning("handler_failed", seq=d.seq, attempt=d.num_delivered, retry_in_s=delay, error=repr(exc))
+        self.log.warning(
+            "handler_failed", seq=d.seq, attempt=d.num_delivered, retry_in_s=delay, error=repr(exc)
+        )
         await d.nak(delay=delay)
 
     async def run(

@@ -112,7 +112,9 @@ class ObjectStorePayloads:
 
     async def put(self, name: str, data: bytes) -> ev.PayloadRef:
         await self.obj.put(name, data)
-        return ev.PayloadRef(store=self.kind, bucket=self.bucket, name=name, size=len(data), sha256=sha256(data))
+        return ev.PayloadRef(
+            store=self.kind, bucket=self.bucket, name=name, size=len(data), sha256=sha256(data)
+        )
 
     async def get_bytes(self, ref: ev.PayloadRef) -> bytes:
         try:
@@ -120,7 +122,9 @@ class ObjectStorePayloads:
         except nats.js.errors.ObjectNotFoundError:
             raise PayloadMissing(f"payload {ref.bucket}/{ref.name} not found") from None
         except nats.js.errors.DigestMismatchError as exc:
-            raise PayloadIntegrityError(f"payload {ref.bucket}/{ref.name} corrupted in the store: {exc}") from None
+            raise PayloadIntegrityError(
+                f"payload {ref.bucket}/{ref.name} corrupted in the store: {exc}"
+            ) from None
         return bytes(res.data or b"")
 
 
@@ -141,7 +145,9 @@ class FilePayloads:
     async def put(self, name: str, data: bytes) -> ev.PayloadRef:
         path = self._path(name)
         await asyncio.to_thread(_atomic_write, path, data)
-        return ev.PayloadRef(store=self.kind, bucket=self.bucket, name=name, size=len(data), sha256=sha256(data))
+        return ev.PayloadRef(
+            store=self.kind, bucket=self.bucket, name=name, size=len(data), sha256=sha256(data)
+        )
 
     async def get_bytes(self, ref: ev.PayloadRef) -> bytes:
         path = self._path(ref.name)
@@ -183,7 +189,13 @@ class Payloads:
             return ev.InlineArray(dtype=dtype, shape=shape, data=data)
         ref = await self.default.put(name, data)
         return ev.PayloadRef(
-            store=ref.store, bucket=ref.bucket, name=ref.name, size=ref.size, sha256=ref.sha256, dtype=dtype, shape=shape
+            store=ref.store,
+            bucket=ref.bucket,
+            name=ref.name,
+            size=ref.size,
+            sha256=ref.sha256,
+            dtype=dtype,
+            shape=shape,
         )
 
     async def put_bytes(self, name: str, data: bytes) -> ev.PayloadRef:

@@ -78,12 +78,13 @@ class EmbeddedServer:
     def _config(self) -> Path:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         conf = self.store_dir / "nats-server.conf"
+        js_dir = self.store_dir / "jetstream"
+        # Streams reserve their max_bytes up front; a generous cap lets several runs of the
+        # default limits coexist on a laptop (the disk itself is the real bound).
         conf.write_text(
             f'listen: "{self.host}:{self.port}"\n'
             f"max_payload: {self.max_payload}\n"
-            # Streams reserve their max_bytes up front; a generous cap lets several runs of the
-            # default limits coexist on a laptop (the disk itself is the real bound).
-            f'jetstream {{ store_dir: "{self.store_dir / "jetstream"}", max_file_store: {self.max_file_store} }}\n'
+            f'jetstream {{ store_dir: "{js_dir}", max_file_store: {self.max_file_store} }}\n'
         )
         return conf
 
@@ -104,7 +105,9 @@ class EmbeddedServer:
             if self.proc.poll() is not None:
                 raise ServerError(f"nats-server exited with {self.proc.returncode}:\n{self.tail_log()}")
             if self._ready():
-                log.info("nats_server_started", url=self.url, store_dir=str(self.store_dir), pid=self.proc.pid)
+                log.info(
+                    "nats_server_started", url=self.url, store_dir=str(self.store_dir), pid=self.proc.pid
+                )
                 return self
             time.sleep(0.05)
         self.stop()

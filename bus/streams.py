@@ -100,7 +100,7 @@ async def ensure_run_stream(
     return info
 
 
-async def ensure_payload_bucket(js: JetStreamContext, run_id: str, limits: StreamLimits | None = None):  # noqa: ANN201
+async def ensure_payload_bucket(js: JetStreamContext, run_id: str, limits: StreamLimits | None = None):
     limits = limits or StreamLimits()
     bucket = payload_bucket(run_id)
     try:

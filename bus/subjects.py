@@ -30,9 +30,7 @@ class InvalidName(ValueError):
 
 def check_token(value: str, what: str) -> str:
     if not _TOKEN.match(value):
-        raise InvalidName(
-            f"{what} {value!r} is not a valid subject token: use 1-64 of A-Z a-z 0-9 _ -"
-        )
+        raise InvalidName(f"{what} {value!r} is not a valid subject token: use 1-64 of A-Z a-z 0-9 _ -")
     return value
 
 
@@ -73,7 +71,8 @@ def weights_subject(run_id: str) -> str:
 
 
 def worker_subject(run_id: str, kind: str = "*", worker_id: str = "*") -> str:
-    return f"{run_prefix(run_id)}.worker.{_tok_or_wild(kind, 'worker kind')}.{_tok_or_wild(worker_id, 'worker id')}"
+    kind_tok = _tok_or_wild(kind, "worker kind")
+    return f"{run_prefix(run_id)}.worker.{kind_tok}.{_tok_or_wild(worker_id, 'worker id')}"
 
 
 def dlq_subject(run_id: str, reason: str = "*") -> str:
@@ -110,7 +109,9 @@ def subject_for(event: ev.Event) -> str:
         case ev.WeightsLoaded():
             return worker_subject(run, "inference", check_token(b.worker_id, "worker id"))
         case ev.WorkerHeartbeat():
-            return worker_subject(run, check_token(b.kind, "worker kind"), check_token(b.worker_id, "worker id"))
+            return worker_subject(
+                run, check_token(b.kind, "worker kind"), check_token(b.worker_id, "worker id")
+            )
         case ev.DeadLettered():
             return dlq_subject(run, check_token(b.reason, "dead-letter reason"))
     raise TypeError(f"no subject for event type {event.type}")

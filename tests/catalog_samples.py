@@ -1,0 +1,120 @@
+"""One realistic instance of every event body, shared by the catalog and bus tests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jetrl.bus import events as ev
+from jetrl.bus.payloads import array_bytes
+
+
+def inline(arr: np.ndarray) -> ev.InlineArray:
+    dtype, shape, data = array_bytes(arr)
+    return ev.InlineArray(dtype=dtype, shape=shape, data=data)
+
+
+def sample_bodies() -> list[ev.EventBody]:
+    rng = np.random.default_rng(0)
+    prompt = inline(rng.integers(0, 64, 12, dtype=np.int32))
+    completion = inline(rng.integers(0, 64, 20, dtype=np.int32))
+    logprobs = inline(-rng.random(20, dtype=np.float32))
+    trace_ref = ev.PayloadRef(
+        store="objstore",
+        bucket="jetrl_r_payloads",
+        name="trace-g1-0",
+        size=32 * 4 * 2,
+        sha256="ab" * 32,
+        dtype="uint8",
+        shape=(32, 4, 2),
+    )
+    return [
+        ev.RunStarted(
+            config={"trainer": {"lr": 1e-3}, "seed": 7},
+            code_version="0.1.0",
+            host="h",
+            library_versions={"torch": "2.13.0"},
+        ),
+        ev.RunFinished(status="completed", steps=40, reason=""),
+        ev.TaskSubmitted(
+            task_id="t1",
+            env="reverse",
+            group_size=8,
+            prompt_tokens=[1, 5, 6, 7],
+            prompt_text="abc",
+            max_tokens=16,
+            info={"answer": "cba"},
+        ),
+        ev.GenerationCompleted(
+            generation_id="g1-0",
+            task_id="t1",
+            env="reverse",
+            group_id="g1",
+            sample_index=0,
+            group_size=8,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            logprobs=logprobs,
+            routing_trace=trace_ref,
+            policy_version_start=3,
+            policy_version_end=4,
+            worker_id="inf-0",
+            finish_reason="stop",
+            timings=ev.GenerationTimings(queued_s=0.1, generate_s=0.5),
+        ),
+        ev.RolloutScored(
+            rollout_id="g1-0",
+            generation_event_id="e1",
+            task_id="t1",
+            env="reverse",
+            group_id="g1",
+            sample_index=0,
+            group_size=8,
+            reward=0.75,
+            reward_parts={"exact": 0.5, "format": 0.25},
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            logprobs=logprobs,
+            routing_trace=trace_ref,
+            policy_version_start=3,
+            policy_version_end=4,
+        ),
+        ev.RolloutWithheld(
+            rollout_id="g1-0",
+            group_id="g1",
+            env="reverse",
+            reason="stale",
+            trainer_step=9,
+            policy_version=9,
+            staleness=6,
+            detail="6 > max_off_policy_steps=2",
+        ),
+        ev.StepCompleted(
+            step=9,
+            policy_version=10,
+            rollout_ids=["g1-0", "g1-1"],
+            rollout_seqs=[41, 42],
+            metrics={"loss": 0.1, "reward_mean": 0.5},
+            tokens=640,
+            duration_s=0.2,
+        ),
+        ev.PolicyVersionPublished(version=10, step=9, weights_checksum="cd" * 32, parent_version=9),
+        ev.WeightsReady(version=10, location=trace_ref, weights_checksum="cd" * 32),
+        ev.WeightsLoaded(version=10, worker_id="inf-0", load_s=0.05),
+        ev.WorkerHeartbeat(
+            worker_id="inf-0",
+            kind="inference",
+            status="busy",
+            loaded_version=10,
+            inflight=3,
+            stats={"tokens_per_s": 1234.0},
+        ),
+        ev.DeadLettered(
+            reason="malformed",
+            detail="not msgpack",
+            consumer="trainer",
+            original_subject="jetrl.r.rollout.default.reverse",
+            original_stream_seq=17,
+            original_data=b"\xff\x00garbage",
+            original_headers={"Nats-Msg-Id": "x"},
+        ),
+    ]

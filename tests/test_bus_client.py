@@ -1,0 +1,225 @@
+"""The client against a real nats-server: publish, dedupe, consume, redeliver, dead-letter."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from jetrl.bus import events as ev
+from jetrl.bus import subjects
+from jetrl.bus.client import Bus, ConsumerSpec, Delivery, Reject
+from jetrl.bus.server import EmbeddedServer
+from tests.catalog_samples import sample_bodies
+
+
+async def drain(consumer, expect: int, *, timeout: float = 10.0) -> list[Delivery]:
+    got: list[Delivery] = []
+    deadline = asyncio.get_running_loop().time() + timeout
+    while len(got) < expect and asyncio.get_running_loop().time() < deadline:
+        for d in await consumer.fetch(64, timeout=0.5):
+            await d.ack()
+            got.append(d)
+    return got
+
+
+async def dead_letters(bus: Bus, run_id: str, expect: int) -> list[ev.DeadLettered]:
+    out: list[ev.DeadLettered] = []
+    async for item in bus.tail(run_id, filter_subject=subjects.dlq_subject(run_id, "*"), idle_timeout=2.0):
+        assert item.event is not None
+        out.append(item.event.body)  # type: ignore[arg-type]
+        if len(out) >= expect:
+            break
+    return out
+
+
+async def test_every_event_type_round_trips_through_the_stream(bus: Bus, run_id: str) -> None:
+    sent = [ev.new_event(b, run_id=run_id, tenant="acme") for b in sample_bodies()]
+    for e in sent:
+        await bus.publish(e)
+    c = await bus.consumer(
+        ConsumerSpec(run_id=run_id, durable="all", filter_subjects=[subjects.all_subjects(run_id)])
+    )
+    got = await drain(c, len(sent))
+    # Dead letters published by the catalog sample are ordinary events here.
+    assert [d.event for d in got] == sent
+    assert [d.seq for d in got] == list(range(1, len(sent) + 1))
+
+
+async def test_duplicate_publish_is_stored_once(bus: Bus, run_id: str) -> None:
+    e = ev.new_event(ev.RunStarted(config={}, code_version="t"), run_id=run_id)
+    a1 = await bus.publish(e)
+    a2 = await bus.publish(e)
+    assert a2.duplicate and a2.seq == a1.seq
+    pub = bus.publisher(max_inflight=8)
+    for _ in range(5):
+        await pub.publish(e)
+    await pub.flush()
+    assert pub.duplicates == 5
+    assert await bus.last_seq(run_id) == 1
+
+
+async def test_pipelined_publisher_bounds_inflight_and_delivers_all(bus: Bus, run_id: str) -> None:
+    pub = bus.publisher(max_inflight=16)
+    peak = 0
+    ids = set()
+    for i in range(2000):
+        e = ev.new_event(
+            ev.WorkerHeartbeat(worker_id=f"w{i % 4}", kind="inference", inflight=i), run_id=run_id
+        )
+        ids.add(e.event_id)
+        await pub.publish(e)
+        peak = max(peak, pub.inflight)
+    await pub.flush()
+    assert peak <= 16
+    assert pub.published == 2000 and pub.duplicates == 0
+    seen = {it.event.event_id async for it in bus.tail(run_id, idle_timeout=1.0) if it.event}
+    assert seen == ids
+
+
+async def test_publisher_surfaces_failures(bus: Bus, run_id: str) -> None:
+    # A subject no stream captures: the server answers "no responders" to each retry.
+    pub = bus.publisher(max_inflight=4, ack_timeout=0.5, retries=1)
+    await pub.publish_encoded("nostream.x", b"x", {ev.HEADER_MSG_ID: "lost-1"})
+    with pytest.raises(Exception) as info:
+        await pub.flush(timeout=30)
+    assert "lost-1" in str(getattr(info.value, "failed", {})) or "lost-1" in str(info.value)
+
+
+async def test_unacked_message_is_redelivered_to_another_consumer(
+    nats_server: EmbeddedServer, bus: Bus, run_id: str
+) -> None:
+    e = ev.new_event(ev.StepCompleted(step=1, policy_version=1, rollout_ids=["a"]), run_id=run_id)
+    await bus.publish(e)
+    spec = ConsumerSpec(
+        run_id=run_id, durable="trainer", filter_subjects=[subjects.step_subject(run_id)], ack_wait=1.0
+    )
+    # The first worker takes the message and dies before acking.
+    doomed = await Bus.connect(nats_server.url, name="doomed")
+    c1 = await doomed.consumer(spec)
+    first = await c1.fetch(1, timeout=2)
+    assert [d.event.event_id for d in first] == [e.event_id]
+    await doomed.nc.close()
+    # Another worker bound to the same durable gets it once the ack wait expires.
+    c2 = await bus.consumer(spec)
+    got = await drain(c2, 1, timeout=10)
+    assert [d.event.event_id for d in got] == [e.event_id]
+    assert got[0].num_delivered == 2
+
+
+async def test_poison_messages_are_dead_lettered_and_consumer_goes_on(bus: Bus, run_id: str) -> None:
+    subj = subjects.rollout_subject(run_id, "acme", "reverse")
+    good = [
+        ev.new_event(
+            ev.RolloutWithheld(
+                rollout_id=f"r{i}",
+                group_id="g",
+                env="reverse",
+                reason="stale",
+                trainer_step=1,
+                policy_version=1,
+            ),
+            run_id=run_id,
+            tenant="acme",
+        )
+        for i in range(4)
+    ]
+    await bus.publish(good[0])
+    await bus.js.publish(subj, b"\xc1 not msgpack")  # undecodable
+    await bus.publish(good[1])
+    spoof = ev.new_event(good[2].body, run_id=run_id, tenant="mallory")
+    await bus.js.publish(subj, ev.encode_event(spoof), headers=ev.event_headers(spoof))  # tenant spoofed
+    await bus.publish(good[2])
+    await bus.publish(good[3])
+
+    handled: list[str] = []
+    attempts: dict[str, int] = {}
+
+    async def handler(event: ev.Event, d: Delivery) -> None:
+        rid = event.body.rollout_id  # type: ignore[attr-defined]
+        attempts[rid] = attempts.get(rid, 0) + 1
+        if rid == "r1":
+            raise Reject("reward is NaN", reason="invalid")
+        if rid == "r2":
+            raise RuntimeError("transient failure that never heals")
+        handled.append(rid)
+
+    spec = ConsumerSpec(
+        run_id=run_id,
+        durable="scorer",
+        filter_subjects=[subjects.rollout_subject(run_id)],
+        max_deliver=3,
+        backoff=(0.1,),
+    )
+    c = await bus.consumer(spec)
+    stop = asyncio.Event()
+    task = asyncio.create_task(c.run(handler, batch=8, fetch_timeout=0.3, stop=stop))
+    for _ in range(100):
+        if c.stats.dead_lettered >= 4 and len(handled) >= 2:
+            break
+        await asyncio.sleep(0.1)
+    stop.set()
+    await task
+    assert handled == ["r0", "r3"]
+    assert attempts["r2"] == 3
+    assert c.stats.by_reason == {"malformed": 1, "spoofed": 1, "invalid": 1, "max_deliver": 1}
+    dls = await dead_letters(bus, run_id, 4)
+    by_reason = {d.reason: d for d in dls}
+    assert set(by_reason) == {"malformed", "spoofed", "invalid", "max_deliver"}
+    assert by_reason["malformed"].original_data == b"\xc1 not msgpack"
+    assert by_reason["malformed"].original_stream_seq == 2
+    assert "mallory" in by_reason["spoofed"].detail
+    assert by_reason["max_deliver"].delivery_count == 3
+    # Nothing is left pending on the consumer: every message was settled.
+    info = await c.info()
+    assert info.num_ack_pending == 0 and info.num_pending == 0
+
+
+async def test_message_that_kills_its_worker_is_parked_after_max_deliver(
+    nats_server: EmbeddedServer, bus: Bus, run_id: str
+) -> None:
+    e = ev.new_event(ev.StepCompleted(step=7, policy_version=7, rollout_ids=[]), run_id=run_id)
+    await bus.publish(e)
+    spec = ConsumerSpec(
+        run_id=run_id,
+        durable="crashy",
+        filter_subjects=[subjects.step_subject(run_id)],
+        ack_wait=0.5,
+        max_deliver=2,
+    )
+    for _ in range(2):  # two workers fetch it and die
+        w = await Bus.connect(nats_server.url)
+        got = await (await w.consumer(spec)).fetch(1, timeout=3)
+        assert len(got) == 1
+        await w.nc.close()
+    c = await bus.consumer(spec)
+    deadline = asyncio.get_running_loop().time() + 10
+    while c.stats.dead_lettered == 0 and asyncio.get_running_loop().time() < deadline:
+        assert await c.fetch(1, timeout=0.5) == []
+    dls = await dead_letters(bus, run_id, 1)
+    assert dls[0].reason == "max_deliver" and dls[0].original_event_id == e.event_id
+
+
+async def test_in_progress_keeps_long_work_from_redelivery(bus: Bus, run_id: str) -> None:
+    e = ev.new_event(ev.StepCompleted(step=1, policy_version=1, rollout_ids=[]), run_id=run_id)
+    await bus.publish(e)
+    spec = ConsumerSpec(
+        run_id=run_id, durable="slow", filter_subjects=[subjects.step_subject(run_id)], ack_wait=1.0
+    )
+    c = await bus.consumer(spec)
+    (d,) = await c.fetch(1, timeout=2)
+    async with d.keep_alive(every=0.3):
+        await asyncio.sleep(2.5)  # longer than ack_wait
+        info = await c.info()
+        assert info.num_redelivered == 0
+    await d.ack()
+
+
+async def test_tail_from_any_point(bus: Bus, run_id: str) -> None:
+    for i in range(10):
+        await bus.publish(
+            ev.new_event(ev.StepCompleted(step=i, policy_version=i, rollout_ids=[]), run_id=run_id)
+        )
+    items = [it async for it in bus.tail(run_id, from_seq=6, idle_timeout=1.0)]
+    assert [it.seq for it in items] == [6, 7, 8, 9, 10]
+    assert [it.event.body.step for it in items] == [5, 6, 7, 8, 9]  # type: ignore[union-attr]

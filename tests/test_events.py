@@ -1,0 +1,93 @@
+"""The catalog and its codec, without a server."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from jetrl.bus import events as ev
+from jetrl.bus import subjects
+from tests.catalog_samples import sample_bodies
+
+
+def test_catalog_is_covered_by_samples() -> None:
+    assert {type(b).TYPE for b in sample_bodies()} == set(ev.CATALOG)
+
+
+@pytest.mark.parametrize("body", sample_bodies(), ids=lambda b: type(b).TYPE)
+def test_round_trip_every_type(body: ev.EventBody) -> None:
+    e = ev.new_event(body, run_id="r1", tenant="acme", causation_id="c0")
+    back = ev.decode_event(ev.encode_event(e), ev.event_headers(e))
+    assert back == e
+    assert type(back.body) is type(body)
+    assert back.schema_version == type(body).SCHEMA_VERSION
+
+
+def _raw(**overrides: object) -> bytes:
+    e = ev.new_event(ev.RunFinished(status="completed", steps=1), run_id="r1")
+    d = msgspec.to_builtins(e)
+    d.update(overrides)
+    return msgspec.msgpack.encode(d)
+
+
+def test_unknown_type_is_rejected_clearly() -> None:
+    with pytest.raises(ev.UnknownEventType, match="unknown event type 'RunPaused'"):
+        ev.decode_event(_raw(type="RunPaused"))
+
+
+def test_newer_schema_version_is_rejected() -> None:
+    with pytest.raises(ev.UnsupportedSchemaVersion, match="schema_version 2 is not supported"):
+        ev.decode_event(_raw(schema_version=2))
+    with pytest.raises(ev.UnsupportedSchemaVersion):
+        ev.decode_event(_raw(schema_version=0))
+
+
+def test_garbage_and_bad_bodies_are_malformed() -> None:
+    with pytest.raises(ev.MalformedEvent, match="not a jetrl event envelope"):
+        ev.decode_event(b"\xff\x00garbage")
+    with pytest.raises(ev.MalformedEvent, match="invalid RunFinished body"):
+        ev.decode_event(_raw(body={"status": "exploded", "steps": 1}))
+    with pytest.raises(ev.MalformedEvent, match="invalid RunFinished body"):
+        ev.decode_event(_raw(body={"status": "completed"}))
+
+
+def test_header_type_must_agree_with_envelope() -> None:
+    with pytest.raises(ev.MalformedEvent, match="disagrees"):
+        ev.decode_event(_raw(), {ev.HEADER_TYPE: "StepCompleted"})
+
+
+def test_older_body_without_new_optional_fields_still_decodes() -> None:
+    # Evolving a body adds fields with defaults; an event written before them must read fine.
+    e = ev.new_event(ev.WorkerHeartbeat(worker_id="w", kind="inference"), run_id="r1")
+    d = msgspec.to_builtins(e)
+    d["body"] = {"worker_id": "w", "kind": "inference"}
+    back = ev.decode_event(msgspec.msgpack.encode(d))
+    assert isinstance(back.body, ev.WorkerHeartbeat)
+    assert back.body.stats == {} and back.body.loaded_version is None
+
+
+def test_event_ids_are_unique_and_explicit_ids_kept() -> None:
+    a = ev.new_event(ev.RunFinished(status="completed", steps=1), run_id="r")
+    b = ev.new_event(ev.RunFinished(status="completed", steps=1), run_id="r")
+    assert a.event_id != b.event_id
+    c = ev.new_event(ev.RunFinished(status="completed", steps=1), run_id="r", event_id="fixed")
+    assert ev.event_headers(c)["Nats-Msg-Id"] == "fixed"
+
+
+@pytest.mark.parametrize("body", sample_bodies(), ids=lambda b: type(b).TYPE)
+def test_every_type_has_a_subject_under_its_run(body: ev.EventBody) -> None:
+    e = ev.new_event(body, run_id="r1", tenant="acme")
+    s = subjects.subject_for(e)
+    assert s.startswith("jetrl.r1.")
+    if isinstance(body, ev.TaskSubmitted | ev.GenerationCompleted | ev.RolloutScored | ev.RolloutWithheld):
+        assert subjects.tenant_of(s) == "acme"
+        assert s.endswith(f".acme.{body.env}")
+
+
+def test_subject_tokens_are_validated() -> None:
+    with pytest.raises(subjects.InvalidName, match="tenant"):
+        subjects.subject_for(ev.new_event(sample_bodies()[2], run_id="r1", tenant="a.b"))
+    with pytest.raises(subjects.InvalidName, match="run id"):
+        subjects.all_subjects("run>1")
+    assert subjects.task_subject("r1") == "jetrl.r1.task.*.*"
+    assert subjects.rollout_subject("r1", "acme") == "jetrl.r1.rollout.acme.*"

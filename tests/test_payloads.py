@@ -1,0 +1,78 @@
+"""The claim-check: arrays inline or in the object store, always hash-checked."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jetrl.bus import events as ev
+from jetrl.bus.client import Bus
+from jetrl.bus.payloads import (
+    FilePayloads,
+    ObjectStorePayloads,
+    PayloadError,
+    PayloadIntegrityError,
+    PayloadMissing,
+    Payloads,
+    routing_trace_dtype,
+)
+
+
+async def test_20mb_routing_trace_round_trips_through_object_store(bus: Bus, run_id: str) -> None:
+    # A long agentic rollout: 131k tokens x 48 MoE layers x top-4, uint8 (> 20 MB).
+    rng = np.random.default_rng(1)
+    trace = rng.integers(0, 128, size=(110_000, 48, 4), dtype=np.uint8)
+    assert trace.nbytes > 20 * 1024 * 1024
+    pay = Payloads(await ObjectStorePayloads.for_run(bus.js, run_id))
+    ref = await pay.put_array("trace-g7-3", trace)
+    assert isinstance(ref, ev.PayloadRef)
+    assert ref.size == trace.nbytes and ref.shape == trace.shape and ref.dtype == "uint8"
+    # The reference rides in an event and comes back intact.
+    e = ev.new_event(ev.WeightsReady(version=1, location=ref, weights_checksum="x"), run_id=run_id)
+    ref2 = ev.decode_event(ev.encode_event(e)).body.location  # type: ignore[attr-defined]
+    back = await pay.get_array(ref2)
+    assert back.dtype == np.uint8 and np.array_equal(back, trace)
+
+
+async def test_corrupted_payload_fails_loudly(bus: Bus, run_id: str) -> None:
+    store = await ObjectStorePayloads.for_run(bus.js, run_id)
+    pay = Payloads(store, inline_threshold=0)
+    ref = await pay.put_array("logprobs-1", np.linspace(-3, 0, 50_000, dtype=np.float32))
+    assert isinstance(ref, ev.PayloadRef)
+    # Someone overwrites the object with other bytes of the same size.
+    await store.obj.put("logprobs-1", b"\x00" * ref.size)
+    with pytest.raises(PayloadIntegrityError, match=r"SHA-256 .* does not match"):
+        await pay.get_array(ref)
+    # A truncated object.
+    await store.obj.put("logprobs-1", b"\x00" * 10)
+    with pytest.raises(PayloadIntegrityError, match="expected 200000 bytes, read 10"):
+        await pay.get_array(ref)
+    with pytest.raises(PayloadMissing):
+        await pay.get_bytes(
+            ev.PayloadRef(store="objstore", bucket=ref.bucket, name="nope", size=1, sha256="0")
+        )
+
+
+async def test_small_arrays_ride_inline(bus: Bus, run_id: str) -> None:
+    pay = Payloads(await ObjectStorePayloads.for_run(bus.js, run_id), inline_threshold=1024)
+    tokens = np.arange(200, dtype=np.int32)
+    ref = await pay.put_array("tokens", tokens)
+    assert isinstance(ref, ev.InlineArray) and ref.shape == (200,)
+    assert np.array_equal(await pay.get_array(ref), tokens)
+
+
+async def test_file_store_and_uint16_traces(tmp_path) -> None:
+    assert routing_trace_dtype(256) == np.uint8 and routing_trace_dtype(384) == np.uint16
+    fs = FilePayloads(tmp_path, "run1")
+    pay = Payloads(fs, inline_threshold=0)
+    trace = np.random.default_rng(2).integers(0, 384, size=(1000, 8, 8)).astype(np.uint16)
+    ref = await pay.put_array("trace", trace)
+    assert isinstance(ref, ev.PayloadRef) and ref.store == "file"
+    assert np.array_equal(await pay.get_array(ref), trace)
+    (tmp_path / "run1" / "trace").write_bytes(b"\x01" * ref.size)
+    with pytest.raises(PayloadIntegrityError):
+        await pay.get_array(ref)
+    with pytest.raises(PayloadError, match="plain file name"):
+        await fs.put("../escape", b"x")
+    with pytest.raises(PayloadError, match="no payload store of kind 'mooncake'"):
+        await pay.get_bytes(ev.PayloadRef(store="mooncake", bucket="b", name="n", size=1, sha256="0"))
