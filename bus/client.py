@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -284,7 +285,7 @@ class _Pending:
     subject: str
     data: bytes
     headers: dict[str, str]
-    attempts: int = 1
+    attempts: int = 0
     future: asyncio.Future[api.PubAck] | None = None
     sent_at: float = 0.0
 
@@ -292,9 +293,15 @@ class _Pending:
 class Publisher:
     """Pipelined publishing: up to ``max_inflight`` un-acked publishes, no ack lost track of.
 
-    ``publish`` returns once the message is handed to the connection (blocking when the window
-    is full); ``flush`` waits for every ack, re-sends what failed or timed out (safe: the
-    server deduplicates by event id) and raises :class:`PublishError` for what still failed.
+    ``publish`` returns once the message is handed to the connection, waiting for the oldest
+    ack when the window is full; ``flush`` waits for every ack. A publish whose ack fails or
+    does not come within ``ack_timeout`` (lost in a reconnect, say) is re-sent under the same
+    event id, which the server deduplicates; after ``retries`` re-sends, or at once for an
+    error that cannot heal (stream full, no such subject), it is reported by
+    :class:`PublishError` from the next ``publish`` or ``flush``.
+
+    Acks are collected from the head of a FIFO instead of per-future callbacks: JetStream
+    acks in order, and a callback per publish costs an event-loop turn each.
     """
 
     def __init__(self, bus: Bus, *, max_inflight: int, ack_timeout: float, retries: int) -> None:
@@ -302,19 +309,15 @@ class Publisher:
         self.max_inflight = max_inflight
         self.ack_timeout = ack_timeout
         self.retries = retries
-        self._window = asyncio.Semaphore(max_inflight)
-        # Keyed by a local counter: the same event may legitimately be published twice.
-        self._pending: dict[int, _Pending] = {}
+        self._queue: deque[_Pending] = deque()
         self._failed: dict[str, BaseException] = {}
-        self._retry: list[int] = []
-        self._next = 0
         self.published = 0
         self.duplicates = 0
         self.resent = 0
 
     @property
     def inflight(self) -> int:
-        return len(self._pending)
+        return len(self._queue)
 
     async def publish(self, event: ev.Event) -> None:
         await self.publish_encoded(
@@ -322,88 +325,81 @@ class Publisher:
         )
 
     async def publish_encoded(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
-        if self._retry:
-            await self._resend_failed()
-        await self._window.acquire()
+        self._reap()
+        while len(self._queue) >= self.max_inflight:
+            await self._wait_oldest()
         p = _Pending(headers[ev.HEADER_MSG_ID], subject, data, headers)
-        key = self._next
-        self._next += 1
-        self._pending[key] = p
-        await self._send(key, p)
+        self._queue.append(p)
+        await self._send(p)
 
-    async def _send(self, key: int, p: _Pending) -> None:
+    async def _send(self, p: _Pending) -> None:
+        p.attempts += 1
         p.sent_at = time.monotonic()
         try:
-            fut = await self.bus.js.publish_async(p.subject, p.data, headers=dict(p.headers))
-        except Exception as exc:  # the connection refused it outright: retry later
-            self._on_failure(key, p, exc)
-            return
-        p.future = fut
-        fut.add_done_callback(lambda f, k=key, pend=p: self._on_done(k, pend, f))
+            p.future = await self.bus.js.publish_async(p.subject, p.data, headers=p.headers)
+        except Exception as exc:  # refused outright (e.g. connection closed): retried by _wait_oldest
+            p.future = None
+            log.warning("publish_send_failed", event_id=p.event_id, error=repr(exc))
 
-    def _on_done(self, key: int, p: _Pending, fut: asyncio.Future[api.PubAck]) -> None:
-        if self._pending.get(key) is not p or p.future is not fut:
-            return  # a superseded attempt
-        if fut.cancelled():
-            self._on_failure(key, p, asyncio.CancelledError())
-            return
-        exc = fut.exception()
-        if exc is not None:
-            self._on_failure(key, p, exc)
-            return
-        ack = fut.result()
-        if ack.duplicate:
-            self.duplicates += 1
-        self.published += 1
-        del self._pending[key]
-        self._window.release()
+    def _reap(self) -> None:
+        q = self._queue
+        while q:
+            fut = q[0].future
+            if fut is None or not fut.done() or fut.cancelled() or fut.exception() is not None:
+                return
+            ack = fut.result()
+            q.popleft()
+            self.published += 1
+            if ack.duplicate:
+                self.duplicates += 1
 
-    def _on_failure(self, key: int, p: _Pending, exc: BaseException) -> None:
-        p.future = None
-        if p.attempts > self.retries or (
-            isinstance(exc, nats.js.errors.APIError)
-            and not isinstance(exc, nats.js.errors.ServiceUnavailableError)
-        ):
-            # An API error (stream full, wrong subject...) will not heal by itself: surface it.
-            self._failed[p.event_id] = exc
-            self._pending.pop(key, None)
-            self._window.release()
-            log.error("publish_failed", event_id=p.event_id, subject=p.subject, error=repr(exc))
+    async def _wait_oldest(self) -> None:
+        p = self._queue[0]
+        if p.future is not None and not p.future.done():
+            remaining = self.ack_timeout - (time.monotonic() - p.sent_at)
+            if remaining > 0:
+                await asyncio.wait((p.future,), timeout=remaining)
+        fut = p.future
+        if fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None:
+            self._reap()
             return
-        self._retry.append(key)
-
-    async def _resend_failed(self) -> None:
-        retry, self._retry = self._retry, []
-        for key in retry:
-            p = self._pending.get(key)
-            if p is None:
-                continue
-            p.attempts += 1
-            self.resent += 1
-            await asyncio.sleep(min(0.05 * 2**p.attempts, 2.0))
-            await self._send(key, p)
+        # No ack: failed, refused, or timed out.
+        error: BaseException
+        if fut is None:
+            error = BusError("refused by the connection")
+        elif not fut.done():
+            fut.cancel()
+            error = BusError(f"no ack within {self.ack_timeout}s")
+        else:
+            error = fut.exception() or BusError("cancelled")
+        permanent = isinstance(error, nats.js.errors.APIError) and not isinstance(
+            error, nats.js.errors.ServiceUnavailableError
+        )
+        if permanent or p.attempts > self.retries:
+            self._queue.popleft()
+            self._failed[p.event_id] = error
+            log.error(
+                "publish_failed",
+                event_id=p.event_id,
+                subject=p.subject,
+                attempts=p.attempts,
+                error=repr(error),
+            )
+            return
+        self.resent += 1
+        log.warning("publish_resend", event_id=p.event_id, attempt=p.attempts + 1, error=repr(error))
+        await asyncio.sleep(min(0.05 * 2**p.attempts, 2.0))
+        await self._send(p)
 
     async def flush(self, timeout: float | None = None) -> None:
         """Wait until every publish is acked or has definitively failed; raise if any failed."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self._pending:
+        self._reap()
+        while self._queue:
             if deadline is not None and time.monotonic() > deadline:
-                raise BusError(f"flush timed out with {len(self._pending)} publishes unacked")
-            if self._retry:
-                await self._resend_failed()
-            now = time.monotonic()
-            for key, p in list(self._pending.items()):
-                if p.future is not None and not p.future.done() and now - p.sent_at > self.ack_timeout:
-                    # No ack in time (e.g. lost in a reconnect): re-send under the same id.
-                    stale, p.future = p.future, None
-                    stale.cancel()
-                    if p.attempts > self.retries:
-                        self._failed[p.event_id] = BusError(f"no ack after {p.attempts} attempts")
-                        del self._pending[key]
-                        self._window.release()
-                    else:
-                        self._retry.append(key)
-            await asyncio.sleep(0.002 if len(self._pending) < 64 else 0.01)
+                raise BusError(f"flush timed out with {len(self._queue)} publishes unacked")
+            await self._wait_oldest()
+            self._reap()
         if self._failed:
             failed, self._failed = self._failed, {}
             raise PublishError(failed)
@@ -483,6 +479,17 @@ class Delivery:
 Handler = Callable[[ev.Event, Delivery], Awaitable[None]]
 
 
+def _ack_position(msg: Msg) -> tuple[int, int]:
+    """(stream sequence, delivery count) from the ack subject, without building nats-py's
+    metadata object (a measurable share of the consume path for small events)."""
+    reply = msg.reply or ""
+    toks = reply.split(".")
+    if len(toks) == 9 and toks[0] == "$JS":  # $JS.ACK.<stream>.<consumer>.<n>.<sseq>.<cseq>.<ts>.<pending>
+        return int(toks[5]), int(toks[4])
+    meta = msg.metadata
+    return meta.sequence.stream, meta.num_delivered
+
+
 @dataclass
 class ConsumerStats:
     delivered: int = 0
@@ -520,8 +527,7 @@ class PullConsumer:
         return out
 
     async def _admit(self, msg: Msg) -> Delivery | None:
-        meta = msg.metadata
-        seq, n = meta.sequence.stream, meta.num_delivered
+        seq, n = _ack_position(msg)
         self.stats.delivered += 1
         try:
             event = ev.decode_event(msg.data, msg.headers)

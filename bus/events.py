@@ -2,7 +2,7 @@
 
 Wire format (documented in docs/events.md): a msgpack map
 ``{event_id, type, schema_version, run_id, tenant, time, causation_id, body}``; the type and
-schema version also travel as NATS headers so a reader can route without decoding.
+type also travels as a NATS header (``Jetrl-Type``) so a reader can route without decoding.
 
 Decoding is strict: an unknown ``type`` or a ``schema_version`` newer than this code knows is
 rejected with a clear error instead of being mis-read. Older versions of a body decode as long as
@@ -48,7 +48,6 @@ __all__ = [
 ]
 
 HEADER_TYPE = "Jetrl-Type"
-HEADER_SCHEMA = "Jetrl-Schema"
 HEADER_MSG_ID = "Nats-Msg-Id"
 
 
@@ -365,7 +364,6 @@ def event_headers(event: Event) -> dict[str, str]:
     return {
         HEADER_MSG_ID: event.event_id,
         HEADER_TYPE: event.type,
-        HEADER_SCHEMA: str(event.schema_version),
     }
 
 

@@ -35,7 +35,8 @@ def configure(level: str | None = None, *, json: bool | None = None) -> None:
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level_name]),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=True,
+        # Not cached: module-level loggers must follow a later configure() call.
+        cache_logger_on_first_use=False,
     )
     _configured = True
 

@@ -17,6 +17,7 @@ permissions (``jetrl.<run>.*.<tenant>.>``) can filter and isolate them.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from jetrl.bus import events as ev
 
@@ -28,7 +29,12 @@ class InvalidName(ValueError):
     pass
 
 
+_valid: set[str] = set()
+
+
 def check_token(value: str, what: str) -> str:
+    if value in _valid:  # hot path: the same few tokens are checked for every event
+        return value
     if not _TOKEN.match(value):
         raise InvalidName(f"{what} {value!r} is not a valid subject token: use 1-64 of A-Z a-z 0-9 _ -")
     return value
@@ -87,34 +93,43 @@ def _scoped(run_id: str, kind: str, tenant: str, env: str) -> str:
     return f"{run_prefix(run_id)}.{kind}.{_tok_or_wild(tenant, 'tenant')}.{_tok_or_wild(env, 'env')}"
 
 
+def _scoped_event(kind: str) -> Callable[[ev.Event], str]:
+    def subject(e: ev.Event) -> str:
+        env = e.body.env  # type: ignore[attr-defined]
+        return _scoped(e.run_id, kind, check_token(e.tenant, "tenant"), check_token(env, "env"))
+
+    return subject
+
+
+def _worker_event(e: ev.Event) -> str:
+    b = e.body
+    kind = b.kind if isinstance(b, ev.WorkerHeartbeat) else "inference"
+    return worker_subject(e.run_id, check_token(kind, "worker kind"), check_token(b.worker_id, "worker id"))  # type: ignore[attr-defined]
+
+
+# A dict lookup by body class: this runs once per published event.
+_SUBJECT_OF: dict[type[ev.EventBody], Callable[[ev.Event], str]] = {
+    ev.RunStarted: lambda e: run_subject(e.run_id),
+    ev.RunFinished: lambda e: run_subject(e.run_id),
+    ev.TaskSubmitted: _scoped_event("task"),
+    ev.GenerationCompleted: _scoped_event("generation"),
+    ev.RolloutScored: _scoped_event("rollout"),
+    ev.RolloutWithheld: _scoped_event("rollout"),
+    ev.StepCompleted: lambda e: step_subject(e.run_id),
+    ev.PolicyVersionPublished: lambda e: policy_subject(e.run_id),
+    ev.WeightsReady: lambda e: weights_subject(e.run_id),
+    ev.WeightsLoaded: _worker_event,
+    ev.WorkerHeartbeat: _worker_event,
+    ev.DeadLettered: lambda e: dlq_subject(e.run_id, check_token(e.body.reason, "dead-letter reason")),  # type: ignore[attr-defined]
+}
+
+
 def subject_for(event: ev.Event) -> str:
     """The one subject an event is published on, derived from its envelope and body."""
-    b = event.body
-    run, tenant = event.run_id, event.tenant
-    match b:
-        case ev.RunStarted() | ev.RunFinished():
-            return run_subject(run)
-        case ev.TaskSubmitted():
-            return task_subject(run, check_token(tenant, "tenant"), check_token(b.env, "env"))
-        case ev.GenerationCompleted():
-            return generation_subject(run, check_token(tenant, "tenant"), check_token(b.env, "env"))
-        case ev.RolloutScored() | ev.RolloutWithheld():
-            return rollout_subject(run, check_token(tenant, "tenant"), check_token(b.env, "env"))
-        case ev.StepCompleted():
-            return step_subject(run)
-        case ev.PolicyVersionPublished():
-            return policy_subject(run)
-        case ev.WeightsReady():
-            return weights_subject(run)
-        case ev.WeightsLoaded():
-            return worker_subject(run, "inference", check_token(b.worker_id, "worker id"))
-        case ev.WorkerHeartbeat():
-            return worker_subject(
-                run, check_token(b.kind, "worker kind"), check_token(b.worker_id, "worker id")
-            )
-        case ev.DeadLettered():
-            return dlq_subject(run, check_token(b.reason, "dead-letter reason"))
-    raise TypeError(f"no subject for event type {event.type}")
+    fn = _SUBJECT_OF.get(type(event.body))
+    if fn is None:
+        raise TypeError(f"no subject for event type {event.type}")
+    return fn(event)
 
 
 def tenant_of(subject: str) -> str | None:

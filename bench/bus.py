@@ -1,0 +1,198 @@
+"""Bus throughput: jetrl's publish and consume paths against raw nats-py doing the same work.
+
+One private nats-server, one run: each round publishes the same events through
+  * raw nats-py: msgspec-encode the event, ``js.publish_async`` with the Nats-Msg-Id header,
+    wait for every ack;
+  * jetrl: ``Publisher.publish(event)`` (subject from the catalog, type headers, bounded
+    window, retry bookkeeping), ``flush()``;
+and consumes them back through
+  * raw nats-py: ``pull_subscribe`` + ``fetch`` + msgspec decode + ack;
+  * jetrl: ``PullConsumer.fetch`` (strict envelope/body decode, tenant/run checks) + ack.
+Workloads: small events (heartbeats, ~150 B) and rollout-sized events (RolloutScored with an
+8k-token completion, its logprobs and a 512-token prompt inline, ~66 KB). Rounds alternate
+which side goes first; medians are reported, with jetrl/raw ratios.
+
+    python bench/bus.py [--small 20000] [--large 2000] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+from nats.js import api
+
+from jetrl.bus import events as ev
+from jetrl.bus import subjects
+from jetrl.bus.client import Bus, ConsumerSpec
+from jetrl.bus.log import configure
+from jetrl.bus.payloads import array_bytes
+from jetrl.bus.server import EmbeddedServer
+from jetrl.bus.streams import GiB, StreamLimits, stream_name
+
+WINDOW = 256
+LIMITS = StreamLimits(max_bytes=8 * GiB, payload_max_bytes=GiB)
+
+
+def _inline(arr: np.ndarray) -> ev.InlineArray:
+    dtype, shape, data = array_bytes(arr)
+    return ev.InlineArray(dtype=dtype, shape=shape, data=data)
+
+
+def small_events(run_id: str, n: int) -> list[ev.Event]:
+    return [
+        ev.new_event(
+            ev.WorkerHeartbeat(worker_id=f"inf-{i % 8}", kind="inference", loaded_version=i // 100, inflight=i % 16),
+            run_id=run_id,
+        )
+        for i in range(n)
+    ]
+
+
+def rollout_events(run_id: str, n: int) -> list[ev.Event]:
+    rng = np.random.default_rng(0)
+    prompt = _inline(rng.integers(0, 150_000, 512, dtype=np.int32))
+    out = []
+    for i in range(n):
+        body = ev.RolloutScored(
+            rollout_id=f"g{i // 8}-{i % 8}",
+            generation_event_id=ev.new_event_id(),
+            task_id=f"t{i // 8}",
+            env="swe",
+            group_id=f"g{i // 8}",
+            sample_index=i % 8,
+            group_size=8,
+            reward=float(i % 2),
+            reward_parts={"tests": float(i % 2)},
+            prompt_tokens=prompt,
+            completion_tokens=_inline(rng.integers(0, 150_000, 8192, dtype=np.int32)),
+            logprobs=_inline(-rng.random(8192, dtype=np.float32)),
+            policy_version_start=i // 64,
+            policy_version_end=i // 64,
+        )
+        out.append(ev.new_event(body, run_id=run_id, tenant="acme"))
+    return out
+
+
+@dataclass
+class Rate:
+    events_s: float
+    mb_s: float
+
+
+def rate(n: int, nbytes: int, seconds: float) -> Rate:
+    return Rate(n / seconds, nbytes / seconds / 1e6)
+
+
+async def reset_stream(bus: Bus, run_id: str) -> None:
+    await bus.js.purge_stream(stream_name(run_id))
+
+
+async def publish_raw(bus: Bus, events: list[ev.Event]) -> float:
+    js = bus.nc.jetstream(publish_async_max_pending=WINDOW)
+    t0 = time.perf_counter()
+    for e in events:
+        await js.publish_async(subjects.subject_for(e), msgspec.msgpack.encode(e), headers={"Nats-Msg-Id": e.event_id})
+    await js.publish_async_completed()
+    return time.perf_counter() - t0
+
+
+async def publish_jetrl(bus: Bus, events: list[ev.Event]) -> float:
+    pub = bus.publisher(max_inflight=WINDOW)
+    t0 = time.perf_counter()
+    for e in events:
+        await pub.publish(e)
+    await pub.flush()
+    return time.perf_counter() - t0
+
+
+async def consume_raw(bus: Bus, run_id: str, n: int, durable: str) -> float:
+    cfg = api.ConsumerConfig(ack_policy=api.AckPolicy.EXPLICIT, max_ack_pending=4096)
+    sub = await bus.js.pull_subscribe(subjects.all_subjects(run_id), durable=durable, stream=stream_name(run_id), config=cfg)
+    got = 0
+    t0 = time.perf_counter()
+    while got < n:
+        for msg in await sub.fetch(256, timeout=5):
+            msgspec.msgpack.decode(msg.data)
+            await msg.ack()
+            got += 1
+    elapsed = time.perf_counter() - t0
+    await sub.unsubscribe()
+    return elapsed
+
+
+async def consume_jetrl(bus: Bus, run_id: str, n: int, durable: str) -> float:
+    c = await bus.consumer(
+        ConsumerSpec(run_id=run_id, durable=durable, filter_subjects=[subjects.all_subjects(run_id)], max_ack_pending=4096)
+    )
+    got = 0
+    t0 = time.perf_counter()
+    while got < n:
+        for d in await c.fetch(256, timeout=5):
+            await d.ack()
+            got += 1
+    elapsed = time.perf_counter() - t0
+    await c.unsubscribe()
+    return elapsed
+
+
+async def bench_workload(bus: Bus, run_id: str, name: str, events: list[ev.Event], rounds: int) -> dict[str, Rate]:
+    n = len(events)
+    nbytes = sum(len(ev.encode_event(e)) for e in events)
+    times: dict[str, list[float]] = {"pub_raw": [], "pub_jetrl": [], "con_raw": [], "con_jetrl": []}
+    for r in range(rounds):
+        order = ["raw", "jetrl"] if r % 2 == 0 else ["jetrl", "raw"]
+        for side in order:
+            await reset_stream(bus, run_id)
+            # Fresh event ids per round so the duplicate window does not turn publishes into no-ops.
+            batch = [msgspec.structs.replace(e, event_id=ev.new_event_id()) for e in events]
+            pub_t = await (publish_raw if side == "raw" else publish_jetrl)(bus, batch)
+            times[f"pub_{side}"].append(pub_t)
+            durable = f"bench_{name}_{side}_{r}"
+            con_t = await (consume_raw if side == "raw" else consume_jetrl)(bus, run_id, n, durable)
+            times[f"con_{side}"].append(con_t)
+            await bus.js.delete_consumer(stream_name(run_id), durable)
+    out = {k: rate(n, nbytes, statistics.median(v)) for k, v in times.items()}
+    print(f"\n{name}: {n} events, {nbytes / n / 1024:.1f} KiB each, median of {rounds} rounds")
+    print(f"  {'path':<10}{'raw ev/s':>12}{'jetrl ev/s':>12}{'raw MB/s':>10}{'jetrl MB/s':>12}{'ratio':>8}")
+    for path in ("pub", "con"):
+        raw, jet = out[f"{path}_raw"], out[f"{path}_jetrl"]
+        label = "publish" if path == "pub" else "consume"
+        print(
+            f"  {label:<10}{raw.events_s:>12,.0f}{jet.events_s:>12,.0f}{raw.mb_s:>10.1f}{jet.mb_s:>12.1f}"
+            f"{jet.events_s / raw.events_s:>8.2f}"
+        )
+    return out
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--small", type=int, default=20_000)
+    ap.add_argument("--large", type=int, default=2_000)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    configure(level="warning")
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedServer(tmp) as srv:
+        bus = await Bus.connect(srv.url, name="bench", max_inflight=WINDOW)
+        run_id = "benchbus"
+        await bus.ensure_run(run_id, LIMITS)
+        results = {
+            "small": await bench_workload(bus, run_id, "small", small_events(run_id, args.small), args.rounds),
+            "rollout": await bench_workload(bus, run_id, "rollout", rollout_events(run_id, args.large), args.rounds),
+        }
+        await bus.close()
+    print()
+    for name, out in results.items():
+        for path, label in (("pub", "publish"), ("con", "consume")):
+            ratio = out[f"{path}_jetrl"].events_s / out[f"{path}_raw"].events_s
+            print(f"{label} ratio {name} {ratio:.2f} (target >= 0.8)")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
