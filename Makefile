@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/jetrl demo
+	$(BIN)/jetrl bus-demo
 
 test: $(STAMP)
 	$(BIN)/ruff check .

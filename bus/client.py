@@ -77,6 +77,7 @@ class Bus:
         self.nc = nc
         self.js = js
         self.name = name
+        self._closing: list[bool] = []
 
     @classmethod
     async def connect(
@@ -91,12 +92,14 @@ class Bus:
     ) -> Bus:
         servers = [url] if isinstance(url, str) else list(url)
         blog = log.bind(client=name)
+        closing: list[bool] = []  # set by close(): a deliberate disconnect is not news
 
         async def on_error(exc: Exception) -> None:
             blog.warning("nats_error", error=repr(exc))
 
         async def on_disconnect() -> None:
-            blog.warning("nats_disconnected")
+            if not closing:
+                blog.warning("nats_disconnected")
 
         async def on_reconnect() -> None:
             blog.info("nats_reconnected", server=str(nc.connected_url.netloc if nc.connected_url else ""))
@@ -121,10 +124,13 @@ class Bus:
                 "with JetStream (-js)? `jetrl run` without --nats-url starts a private one."
             ) from exc
         js = nc.jetstream(timeout=request_timeout, publish_async_max_pending=max_inflight)
-        return cls(nc, js, name)
+        bus = cls(nc, js, name)
+        bus._closing = closing
+        return bus
 
     async def close(self) -> None:
         # Flush what was published, then close; a drain would wait on idle pull subscriptions.
+        self._closing.append(True)
         if not self.nc.is_closed:
             with contextlib.suppress(Exception):
                 await self.nc.flush(timeout=2)

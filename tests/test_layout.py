@@ -1,0 +1,71 @@
+"""The layout of DESIGN.md holds: every package folder is installed, arrows point one way."""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+PACKAGE_DIR: dict[str, str] = PYPROJECT["tool"]["setuptools"]["package-dir"]
+
+# Which jetrl subpackages each top-level folder may import (DESIGN.md, "Layout").
+ALLOWED = {
+    "bus": set(),
+    "policy": set(),
+    "store": {"bus"},
+    "producers": {"bus", "policy"},
+    "consumers": {"bus", "policy", "store"},
+    "deploy": {"bus", "policy", "store", "producers", "consumers"},
+}
+
+
+def test_every_package_folder_is_listed_in_pyproject() -> None:
+    listed = set(PYPROJECT["tool"]["setuptools"]["packages"])
+    found = set()
+    for top, folder in PACKAGE_DIR.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder)
+            found.add(".".join([top, *rel.parts]) if rel.parts else top)
+    assert found - listed == set(), "package folders missing from [tool.setuptools] packages"
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return out
+
+
+@pytest.mark.parametrize("folder", sorted(ALLOWED))
+def test_imports_point_one_way(folder: str) -> None:
+    bad = []
+    for path in (ROOT / folder).rglob("*.py"):
+        for mod in _imports(path):
+            parts = mod.split(".")
+            if parts[0] != "jetrl" or len(parts) < 2 or parts[1] not in ALLOWED:
+                continue
+            if parts[1] != folder and parts[1] not in ALLOWED[folder]:
+                bad.append(f"{path.relative_to(ROOT)} imports {mod}")
+    assert not bad, "\n".join(bad)
+
+
+def test_consumers_never_import_each_other() -> None:
+    bad = []
+    for path in (ROOT / "consumers").rglob("*.py"):
+        rel = path.relative_to(ROOT / "consumers").parts
+        if len(rel) < 2:
+            continue
+        mine = rel[0]
+        for mod in _imports(path):
+            parts = mod.split(".")
+            if parts[:2] == ["jetrl", "consumers"] and len(parts) > 2 and parts[2] != mine:
+                bad.append(f"{path.relative_to(ROOT)} imports {mod}")
+    assert not bad, "\n".join(bad)
