@@ -48,7 +48,9 @@ def trace_dtype(num_experts: int) -> torch.dtype:
 def trace_length(prompt_len: int, completion_len: int) -> int:
     """Rows in the trace of a sequence: every token fed forward (all but the last)."""
     if prompt_len < 1 or completion_len < 1:
-        raise TraceError(f"need at least one prompt and one completion token, got {prompt_len}+{completion_len}")
+        raise TraceError(
+            f"need at least one prompt and one completion token, got {prompt_len}+{completion_len}"
+        )
     return prompt_len + completion_len - 1
 
 
@@ -83,17 +85,22 @@ def check_trace(
         ids = trace.long()
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= num_experts:
-            raise TraceError(f"{what}: expert ids span [{lo}, {hi}], the model has experts 0..{num_experts - 1}")
+            raise TraceError(
+                f"{what}: expert ids span [{lo}, {hi}], the model has experts 0..{num_experts - 1}"
+            )
         srt = ids.sort(dim=-1).values
         dup = (srt[..., 1:] == srt[..., :-1]).any(dim=-1)
         if bool(dup.any()):
             row, layer = (int(x) for x in dup.nonzero()[0])
-            raise TraceError(f"{what}: token {row}, MoE layer {layer} lists expert {int(srt[row, layer, 0])}"
-                             " twice; top-k ids must be distinct")
+            raise TraceError(
+                f"{what}: token {row}, MoE layer {layer} lists expert {int(srt[row, layer, 0])}"
+                " twice; top-k ids must be distinct"
+            )
 
 
-def check_trace_for(model: nn.Module, trace: torch.Tensor, prompt_len: int, completion_len: int,
-                    what: str = "trace") -> None:
+def check_trace_for(
+    model: nn.Module, trace: torch.Tensor, prompt_len: int, completion_len: int, what: str = "trace"
+) -> None:
     cfg = model_config(model)
     check_trace(
         trace,
@@ -128,7 +135,14 @@ def trace_to_bytes(trace: torch.Tensor) -> bytes:
     """Raw C-order bytes (little-endian) of a uint8/uint16 trace, for the payload store."""
     if trace.dtype not in _NP_DTYPES:
         raise TraceError(f"traces ship as uint8 or uint16, got {trace.dtype}")
-    return trace.detach().cpu().contiguous().numpy().astype(np.dtype(_NP_DTYPES[trace.dtype]).newbyteorder("<")).tobytes()
+    return (
+        trace.detach()
+        .cpu()
+        .contiguous()
+        .numpy()
+        .astype(np.dtype(_NP_DTYPES[trace.dtype]).newbyteorder("<"))
+        .tobytes()
+    )
 
 
 def trace_from_bytes(data: bytes, *, num_moe_layers: int, top_k: int, num_experts: int) -> torch.Tensor:
@@ -136,7 +150,9 @@ def trace_from_bytes(data: bytes, *, num_moe_layers: int, top_k: int, num_expert
     item = np.dtype(_NP_DTYPES[dtype]).newbyteorder("<")
     row = num_moe_layers * top_k * item.itemsize
     if row == 0 or len(data) % row:
-        raise TraceError(f"{len(data)} bytes are not a whole number of [{num_moe_layers}, {top_k}] {dtype} rows")
+        raise TraceError(
+            f"{len(data)} bytes are not a whole number of [{num_moe_layers}, {top_k}] {dtype} rows"
+        )
     arr = np.frombuffer(data, dtype=item).astype(_NP_DTYPES[dtype]).reshape(-1, num_moe_layers, top_k)
     return torch.from_numpy(arr.copy())
 
@@ -155,7 +171,9 @@ class RoutingCapture:
         """The last forward's choices as ``[B, L, moe_layers, top_k]``; clears the buffer."""
         counts = {len(p) for p in self._pending}
         if counts != {1}:
-            raise RuntimeError(f"take() expects exactly one forward since the last take, saw {sorted(counts)}")
+            raise RuntimeError(
+                f"take() expects exactly one forward since the last take, saw {sorted(counts)}"
+            )
         out = torch.stack([p[0] for p in self._pending], dim=2)
         for p in self._pending:
             p.clear()
@@ -170,6 +188,7 @@ def capture_routing(model: nn.Module) -> Iterator[RoutingCapture]:
     cap = RoutingCapture(len(routers), trace_dtype(cfg.num_experts))
     handles = []
     for layer, router in enumerate(routers):
+
         def hook(_mod: nn.Module, _args: object, out: tuple, layer: int = layer) -> None:
             cap._record(layer, out[1])
 
@@ -191,13 +210,14 @@ def replay_routing(model: nn.Module, trace: torch.Tensor) -> Iterator[None]:
     ids_all = trace.long()
     handles = []
     for layer, router in enumerate(routers):
+
         def hook(mod: nn.Module, _args: object, out: tuple, layer: int = layer) -> tuple:
             _, own_ids, scores = out
-            ids = ids_all[:, :, layer].to(own_ids.device)
+            ids = ids_all[:, :, layer].to(own_ids.device).contiguous()
             if ids.shape != own_ids.shape:
                 raise TraceError(
-                    f"replay trace covers [batch, positions, top_k] = {tuple(ids.shape)} but MoE layer {layer}"
-                    f" sees {tuple(own_ids.shape)}; the trace must match the forward's input tokens"
+                    f"replay trace covers [batch, positions, top_k] = {tuple(ids.shape)} but MoE layer "
+                    f"{layer} sees {tuple(own_ids.shape)}; the trace must match the forward's input tokens"
                 )
             # Gate weights from the trainer's own scores at the replayed experts, normalised the
             # way torchtitan normalises its own top-k (route_norm, route_scale): with the same

@@ -25,7 +25,7 @@ def _install_kernel_stub() -> bool:
     stub = types.ModuleType(_KERNELS)
     stub.__doc__ = "jetrl stand-in: MinimalAsyncEP needs triton and a GPU."
 
-    def __getattr__(name: str):  # noqa: N807 - module-level __getattr__ (PEP 562)
+    def __getattr__(name: str):
         if name.startswith("__"):
             raise AttributeError(name)
 

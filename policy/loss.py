@@ -1,0 +1,188 @@
+"""Group-relative advantages and the token-level RL loss. Pure functions on tensors.
+
+Notation per token: ``lp`` trainer log-prob, ``lp_inf`` inference log-prob of the sampled token,
+``r = exp(lp - lp_inf)`` the importance ratio (trainer over inference), ``A`` the advantage.
+
+Loss (summed over kept tokens, divided by the number of loss tokens, masked ones included so
+that masking never up-weights the rest)::
+
+    per_token = -r * A + kl_coef * k3,    k3 = exp(lp_ref - lp) - (lp_ref - lp) - 1
+
+The surrogate ``-r * A`` has gradient ``-r * A * grad(lp)``: the policy gradient corrected for
+the trainer/inference mismatch. ``k3`` is Schulman's non-negative estimator of
+KL(pi_train || pi_ref); the reference defaults to the inference policy, which makes it a small
+pull towards what inference actually sampled from.
+
+A token is kept only if ``low <= r <= high``, with ``(low, high)`` chosen by the sign of its
+advantage: a token whose probability differs too much between the two engines gives an
+unreliable correction and is dropped rather than clipped.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class LossConfig:
+    ratio_bounds_pos: tuple[float, float] = (0.125, 8.0)  # for A >= 0
+    ratio_bounds_neg: tuple[float, float] = (0.125, 8.0)  # for A < 0
+    kl_coef: float = 1e-3
+    gap_threshold: float = 0.1  # |p_train - p_inf| above this counts as a large gap (metric only)
+
+    def __post_init__(self) -> None:
+        for name in ("ratio_bounds_pos", "ratio_bounds_neg"):
+            low, high = getattr(self, name)
+            if not 0 <= low <= 1 <= high:
+                raise ValueError(f"{name} must satisfy 0 <= low <= 1 <= high, got {(low, high)}")
+        if self.kl_coef < 0:
+            raise ValueError("kl_coef must be >= 0")
+
+
+DEFAULT_LOSS = LossConfig()
+
+
+def _log(x: float) -> float:
+    return math.log(x) if x > 0 else float("-inf")
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor | None = None,
+    *,
+    std_scale: bool = False,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """``reward - mean(reward of its group)``, optionally divided by the group's std (population
+    std, plus ``eps``). ``rewards`` is ``[groups, group_size]`` with ``group_ids=None``, or flat
+    ``[N]`` with integer ``group_ids`` ``[N]`` (groups may differ in size, e.g. after stale
+    rollouts were withheld). A group of one gets advantage 0."""
+    r = rewards.double()
+    if group_ids is None:
+        if r.ndim != 2:
+            raise ValueError("without group_ids, rewards must be [groups, group_size]")
+        adv = r - r.mean(dim=1, keepdim=True)
+        if std_scale:
+            adv = adv / (r.std(dim=1, correction=0, keepdim=True) + eps)
+        return adv.to(rewards.dtype if rewards.dtype.is_floating_point else torch.float32)
+    if r.ndim != 1 or group_ids.shape != r.shape:
+        raise ValueError(f"rewards {tuple(r.shape)} and group_ids {tuple(group_ids.shape)} must both be [N]")
+    _, inv = torch.unique(group_ids, return_inverse=True)
+    n = int(inv.max()) + 1 if inv.numel() else 0
+    count = torch.zeros(n, dtype=r.dtype).index_add_(0, inv, torch.ones_like(r))
+    mean = torch.zeros(n, dtype=r.dtype).index_add_(0, inv, r) / count
+    adv = r - mean[inv]
+    if std_scale:
+        var = torch.zeros(n, dtype=r.dtype).index_add_(0, inv, adv**2) / count
+        adv = adv / (var.sqrt()[inv] + eps)
+    return adv.to(rewards.dtype if rewards.dtype.is_floating_point else torch.float32)
+
+
+def mismatch_stats(
+    logprobs: torch.Tensor,
+    inference_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    gap_threshold: float = 0.1,
+) -> dict[str, float]:
+    """Train/inference mismatch over the ``mask`` tokens (no gradient).
+
+    ``mismatch_kl`` is the k3 estimate of KL(pi_inf || pi_train) from tokens sampled by
+    inference, ``mean((r - 1) - log r)``; ``gap_frac`` the share of tokens whose probabilities
+    differ by more than ``gap_threshold``."""
+    mask = mask.bool()
+    n = int(mask.sum())
+    if n == 0:
+        return {
+            "mismatch_kl": 0.0,
+            "gap_frac": 0.0,
+            "ratio_mean": 1.0,
+            "ratio_std": 0.0,
+            "ratio_min": 1.0,
+            "ratio_max": 1.0,
+            "num_tokens": 0.0,
+        }
+    lr = (logprobs.detach().double() - inference_logprobs.detach().double())[mask]
+    ratio = lr.exp()
+    gap = (logprobs.detach().double().exp() - inference_logprobs.detach().double().exp())[mask].abs()
+    return {
+        "mismatch_kl": float((ratio - 1 - lr).mean()),
+        "gap_frac": float((gap > gap_threshold).double().mean()),
+        "ratio_mean": float(ratio.mean()),
+        "ratio_std": float(ratio.std(correction=0)),
+        "ratio_min": float(ratio.min()),
+        "ratio_max": float(ratio.max()),
+        "num_tokens": float(n),
+    }
+
+
+def rl_loss(
+    logprobs: torch.Tensor,
+    inference_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: LossConfig = DEFAULT_LOSS,
+    *,
+    ref_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    num_tokens: int | float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The RL loss on ``[B, T]`` token tensors; ``advantages`` is ``[B]`` or ``[B, T]``.
+
+    ``mask`` marks loss tokens (completion tokens). ``num_tokens`` overrides the normaliser when
+    a batch is split into micro-batches (pass the whole batch's loss-token count). Returns the
+    scalar loss and float metrics."""
+    if logprobs.shape != inference_logprobs.shape or logprobs.shape != mask.shape:
+        raise ValueError(
+            f"logprobs {tuple(logprobs.shape)}, inference_logprobs {tuple(inference_logprobs.shape)} "
+            f"and mask {tuple(mask.shape)} must have the same shape"
+        )
+    mask = mask.bool()
+    adv = advantages.to(logprobs.dtype)
+    if adv.ndim == 1:
+        adv = adv[:, None].expand_as(logprobs)
+    if adv.shape != logprobs.shape:
+        raise ValueError(f"advantages {tuple(advantages.shape)} fit neither [B] nor {tuple(logprobs.shape)}")
+
+    inf_lp = inference_logprobs.to(logprobs.dtype)
+    with torch.no_grad():
+        # Compared in log space: a ratio given exactly at a bound stays kept (no exp round-off).
+        log_ratio_det = logprobs - inf_lp
+        pos = adv >= 0
+        bounds = torch.tensor(
+            [[_log(b) for b in cfg.ratio_bounds_pos], [_log(b) for b in cfg.ratio_bounds_neg]],
+            dtype=logprobs.dtype,
+            device=logprobs.device,
+        )
+        low = torch.where(pos, bounds[0, 0], bounds[1, 0])
+        high = torch.where(pos, bounds[0, 1], bounds[1, 1])
+        keep = mask & (log_ratio_det >= low) & (log_ratio_det <= high)
+
+    # Masked and padded tokens get a zero log-ratio before exp(): their values may be extreme
+    # (or -inf), and where() alone would still send 0 * inf = NaN back through exp().
+    log_ratio = torch.where(keep, logprobs - inf_lp, torch.zeros_like(logprobs))
+    ratio = log_ratio.exp()
+    pg = -ratio * adv
+    ref = inf_lp if ref_logprobs is None else ref_logprobs.to(logprobs.dtype)
+    d = torch.where(keep, ref - logprobs, torch.zeros_like(logprobs))
+    k3 = d.exp() - d - 1
+
+    denom = float(num_tokens) if num_tokens is not None else float(max(int(mask.sum()), 1))
+    keep_f = keep.to(logprobs.dtype)
+    pg_loss = (pg * keep_f).sum() / denom
+    kl_loss = (k3 * keep_f).sum() / denom
+    loss = pg_loss + cfg.kl_coef * kl_loss
+
+    n_mask = int(mask.sum())
+    metrics = mismatch_stats(logprobs, inference_logprobs, mask, cfg.gap_threshold)
+    metrics.update(
+        loss=float(loss.detach()),
+        pg_loss=float(pg_loss.detach()),
+        kl=float(kl_loss.detach()),
+        masked_frac=float((mask & ~keep).sum()) / n_mask if n_mask else 0.0,
+    )
+    if entropy is not None:
+        metrics["entropy"] = float(entropy.detach()[mask].double().mean()) if n_mask else 0.0
+    return loss, metrics

@@ -1,0 +1,194 @@
+"""Batched generation for the embedded inference engine.
+
+Prompts of different lengths are left-padded for the prefill and decoded with a KV cache
+(:class:`~jetrl.policy.models.KVCache`), so every position goes through the model exactly once
+and its routing is recorded once. Sampling draws from a caller-supplied ``torch.Generator``:
+the same seed, weights and prompts give the same completions.
+
+The inference precision (bf16 or fp32) is a property of the engine's own copy of the model
+(:func:`inference_copy`), independent of the trainer's.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import nn
+
+from jetrl.policy.models import KVCache, model_config
+from jetrl.policy.routing import capture_routing
+
+Precision = Literal["bf16", "fp32"]
+PRECISIONS: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingConfig:
+    max_tokens: int = 32
+    temperature: float = 1.0  # 0 = greedy (its logprobs are then 0: a point mass)
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+
+
+@dataclass(slots=True)
+class Generation:
+    """One completion. ``logprobs[i]`` is the log-probability of ``completion_ids[i]`` under the
+    distribution it was drawn from (after temperature and top-p). ``routing`` is the R3 trace
+    ``[len(prompt_ids) + len(completion_ids) - 1, moe_layers, top_k]`` (None for dense models or
+    when capture is off)."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: torch.Tensor
+    finish_reason: FinishReason
+    routing: torch.Tensor | None = field(default=None, repr=False)
+
+
+def inference_copy(model: nn.Module, precision: Precision = "bf16") -> nn.Module:
+    """A frozen copy of ``model`` in the inference precision; load new weights into it with
+    ``load_state_dict`` (values are cast to its dtype)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    out = copy.deepcopy(model).to(dtype=PRECISIONS[precision]).eval()
+    out.requires_grad_(False)
+    return out
+
+
+def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Log-probabilities of the distribution tokens are drawn from (float32, ``-inf`` outside
+    the top-p nucleus)."""
+    logits = logits.float()
+    if temperature == 0:
+        greedy = torch.full_like(logits, float("-inf"))
+        return greedy.scatter(-1, logits.argmax(-1, keepdim=True), 0.0)
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_lp, order = logp.sort(dim=-1, descending=True)
+        probs = sorted_lp.exp()
+        # Drop a token when the mass of strictly more likely tokens already reaches top_p; the
+        # most likely token is always kept.
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logp = torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
+    return logp
+
+
+def sample_tokens(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row; returns ``(tokens [B], logprobs [B])``."""
+    logp = sampling_logprobs(logits, temperature, top_p)
+    if temperature == 0:
+        tokens = logp.argmax(-1)
+    else:
+        tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+@torch.inference_mode()
+def generate(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    cfg: SamplingConfig,
+    *,
+    generator: torch.Generator | None = None,
+    pad_id: int = 0,
+    record_routing: bool = True,
+) -> list[Generation]:
+    """Sample one completion per prompt. The model runs in its own dtype and eval mode."""
+    mcfg = model_config(model)
+    if not prompts:
+        return []
+    lens = [len(p) for p in prompts]
+    if min(lens) < 1:
+        raise ValueError("every prompt needs at least one token")
+    if max(lens) >= mcfg.max_seq_len:
+        raise ValueError(
+            f"a prompt of {max(lens)} tokens leaves no room below max_seq_len={mcfg.max_seq_len}"
+        )
+    device = next(model.parameters()).device
+    batch, width = len(prompts), max(lens)
+    budget = torch.tensor([min(cfg.max_tokens, mcfg.max_seq_len - n) for n in lens], device=device)
+    tokens = torch.full((batch, width), pad_id, dtype=torch.long, device=device)
+    valid = torch.zeros((batch, width), dtype=torch.bool, device=device)
+    for i, p in enumerate(prompts):
+        tokens[i, width - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
+        valid[i, width - len(p) :] = True
+    positions = (valid.long().cumsum(1) - 1).clamp(min=0)
+    stop = torch.as_tensor(cfg.stop_token_ids, dtype=torch.long, device=device)
+    capture = record_routing and mcfg.is_moe
+
+    was_training = model.training
+    model.eval()
+    try:
+        cache = KVCache()
+        with capture_routing(model) if capture else nullcontext() as cap:
+            cache.begin(valid)
+            logits = model(tokens, positions, cache)[:, -1]
+            prompt_routes = cap.take() if cap is not None else None
+            next_pos = torch.as_tensor(lens, device=device)
+            done = torch.zeros(batch, dtype=torch.bool, device=device)
+            stopped = torch.zeros_like(done)
+            out_tok: list[torch.Tensor] = []
+            out_lp: list[torch.Tensor] = []
+            out_live: list[torch.Tensor] = []
+            decode_routes: list[tuple[torch.Tensor, torch.Tensor]] = []
+            for step in range(cfg.max_tokens):
+                tok, lp = sample_tokens(logits, cfg.temperature, cfg.top_p, generator)
+                live = ~done
+                out_tok.append(tok)
+                out_lp.append(lp)
+                out_live.append(live)
+                hit_stop = live & torch.isin(tok, stop)
+                stopped |= hit_stop
+                done = done | hit_stop | (step + 1 >= budget)
+                if bool(done.all()):
+                    break
+                feed = ~done
+                cache.begin(feed[:, None])
+                step_logits = model(torch.where(feed, tok, pad_id)[:, None], next_pos[:, None], cache)
+                logits = step_logits[:, -1]
+                next_pos = next_pos + feed.long()
+                if cap is not None:
+                    decode_routes.append((cap.take()[:, 0].cpu(), feed.cpu()))
+    finally:
+        model.train(was_training)
+
+    toks = torch.stack(out_tok, 1).cpu()
+    lps = torch.stack(out_lp, 1).float().cpu()
+    lives = torch.stack(out_live, 1).cpu()
+    results = []
+    for i, prompt in enumerate(prompts):
+        keep = lives[i]
+        completion = toks[i][keep].tolist()
+        routing = None
+        if prompt_routes is not None:
+            # Prompt rows (minus left padding), then one row per completion token fed back.
+            rows = [prompt_routes[i, width - lens[i] :].cpu()]
+            rows += [r[i : i + 1] for r, fed in decode_routes if bool(fed[i])]
+            routing = torch.cat(rows, 0)
+        results.append(
+            Generation(
+                prompt_ids=list(prompt),
+                completion_ids=completion,
+                logprobs=lps[i][keep].clone(),
+                finish_reason="stop" if bool(stopped[i]) else "length",
+                routing=routing,
+            )
+        )
+    return results

@@ -1,0 +1,217 @@
+"""Trainer-side pieces: batches of rollouts, logprobs with Router Replay, the train step, and
+deterministic CPU settings.
+
+Layout of a :class:`TrainBatch` of ``B`` rollouts, longest ``P + C = L`` tokens, right-padded:
+the forward reads ``input_ids[:, :-1]`` (``L - 1`` positions) and position ``i`` predicts
+``input_ids[:, i + 1]``. Completion token ``j`` of a rollout with prompt length ``P`` is thus
+predicted at position ``P - 1 + j``; those positions form ``loss_mask``. The routing trace of a
+rollout has ``P + C - 1`` rows, one per forward position, so it lines up with no shifting.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from jetrl.policy.loss import DEFAULT_LOSS, LossConfig, rl_loss
+from jetrl.policy.models import ModelConfig, model_config
+from jetrl.policy.routing import TraceError, check_trace, pad_traces, replay_routing, trace_length
+
+
+@dataclass(slots=True)
+class Rollout:
+    """One scored sample as the trainer receives it."""
+
+    prompt_ids: Sequence[int]
+    completion_ids: Sequence[int]
+    inference_logprobs: torch.Tensor  # [C]
+    advantage: float
+    routing: torch.Tensor | None = None  # [P + C - 1, moe_layers, top_k]
+
+
+@dataclass(slots=True)
+class TrainBatch:
+    input_ids: torch.Tensor  # [B, L] long
+    loss_mask: torch.Tensor  # [B, L-1] bool
+    inference_logprobs: torch.Tensor  # [B, L-1] float32, 0 off the mask
+    advantages: torch.Tensor  # [B] float32
+    routing: torch.Tensor | None = None  # [B, L-1, moe_layers, top_k] long
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+    def to(self, device: torch.device | str) -> TrainBatch:
+        return TrainBatch(
+            self.input_ids.to(device),
+            self.loss_mask.to(device),
+            self.inference_logprobs.to(device),
+            self.advantages.to(device),
+            None if self.routing is None else self.routing.to(device),
+        )
+
+
+def collate(rollouts: Sequence[Rollout], model_cfg: ModelConfig, *, pad_id: int = 0) -> TrainBatch:
+    """Pad rollouts into a batch, checking every length and trace against ``model_cfg``."""
+    if not rollouts:
+        raise ValueError("no rollouts to collate")
+    width = max(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
+    b = len(rollouts)
+    ids = torch.full((b, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((b, width - 1), dtype=torch.bool)
+    inf_lp = torch.zeros((b, width - 1), dtype=torch.float32)
+    with_trace = [r.routing is not None for r in rollouts]
+    if any(with_trace) and not all(with_trace):
+        raise TraceError(
+            f"rollouts {[i for i, t in enumerate(with_trace) if not t]} lack routing traces "
+            "while others have them; replay needs all or none"
+        )
+    traces = []
+    for i, r in enumerate(rollouts):
+        p, c = len(r.prompt_ids), len(r.completion_ids)
+        if p < 1 or c < 1:
+            raise ValueError(f"rollout {i}: needs >= 1 prompt and >= 1 completion token, got {p}+{c}")
+        if r.inference_logprobs.shape != (c,):
+            raise ValueError(
+                f"rollout {i}: {c} completion tokens but inference_logprobs has shape "
+                f"{tuple(r.inference_logprobs.shape)}"
+            )
+        ids[i, :p] = torch.as_tensor(list(r.prompt_ids), dtype=torch.long)
+        ids[i, p : p + c] = torch.as_tensor(list(r.completion_ids), dtype=torch.long)
+        mask[i, p - 1 : p - 1 + c] = True
+        inf_lp[i, p - 1 : p - 1 + c] = r.inference_logprobs.float()
+        if r.routing is not None:
+            if not model_cfg.is_moe:
+                raise TraceError(f"rollout {i}: has a routing trace but {model_cfg.name} is dense")
+            check_trace(
+                r.routing,
+                num_tokens=trace_length(p, c),
+                num_moe_layers=model_cfg.num_moe_layers,
+                top_k=model_cfg.top_k,
+                num_experts=model_cfg.num_experts,
+                what=f"rollout {i} ({p} prompt + {c} completion tokens) trace",
+            )
+            traces.append(r.routing)
+    if int(ids.max()) >= model_cfg.vocab_size or int(ids.min()) < 0:
+        raise ValueError(f"token ids must lie in [0, {model_cfg.vocab_size})")
+    adv = torch.tensor([float(r.advantage) for r in rollouts], dtype=torch.float32)
+    routing = pad_traces(traces, width - 1) if traces else None
+    return TrainBatch(ids, mask, inf_lp, adv, routing)
+
+
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Float32 log-probs of ``targets`` under ``softmax(logits / temperature)`` (+ entropy)."""
+    logp = torch.log_softmax(logits.float() / (temperature if temperature > 0 else 1.0), dim=-1)
+    lp = logp.gather(-1, targets[..., None]).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1) if with_entropy else None
+    return lp, ent
+
+
+def compute_logprobs(
+    model: nn.Module,
+    batch: TrainBatch,
+    *,
+    temperature: float = 1.0,
+    replay: bool = True,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Trainer log-probs ``[B, L-1]`` of each next token, replaying the batch's routing when
+    ``replay`` (an MoE batch without traces is an error then)."""
+    cfg = model_config(model)
+    inputs, targets = batch.input_ids[:, :-1], batch.input_ids[:, 1:]
+    if replay and cfg.is_moe:
+        if batch.routing is None:
+            raise TraceError("replay=True but the batch carries no routing traces")
+        with replay_routing(model, batch.routing):
+            logits = model(inputs)
+    else:
+        logits = model(inputs)
+    return token_logprobs(logits, targets, temperature, with_entropy=with_entropy)
+
+
+def forward_backward(
+    model: nn.Module,
+    batch: TrainBatch,
+    loss_cfg: LossConfig = DEFAULT_LOSS,
+    *,
+    temperature: float = 1.0,
+    replay: bool = True,
+    num_tokens: int | None = None,
+) -> dict[str, float]:
+    """Forward (with replay), loss, backward; gradients accumulate. ``num_tokens`` is the loss
+    normaliser of the whole step when it spans several micro-batches."""
+    lp, ent = compute_logprobs(model, batch, temperature=temperature, replay=replay, with_entropy=True)
+    loss, metrics = rl_loss(
+        lp,
+        batch.inference_logprobs,
+        batch.advantages,
+        batch.loss_mask,
+        loss_cfg,
+        entropy=ent,
+        num_tokens=num_tokens,
+    )
+    loss.backward()
+    return metrics
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: TrainBatch | Sequence[TrainBatch],
+    loss_cfg: LossConfig = DEFAULT_LOSS,
+    *,
+    temperature: float = 1.0,
+    replay: bool = True,
+    max_grad_norm: float | None = 1.0,
+) -> dict[str, float]:
+    """One optimizer step over a batch (or micro-batches, normalised by their total token
+    count). Returns the metrics (token-weighted over micro-batches) plus ``grad_norm``."""
+    batches = [batch] if isinstance(batch, TrainBatch) else list(batch)
+    total = max(sum(b.num_tokens for b in batches), 1)
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    metrics: dict[str, float] = {}
+    for b in batches:
+        m = forward_backward(model, b, loss_cfg, temperature=temperature, replay=replay, num_tokens=total)
+        w = b.num_tokens / total
+        for k, v in m.items():
+            if k in ("loss", "pg_loss", "kl", "num_tokens"):
+                metrics[k] = metrics.get(k, 0.0) + v  # already normalised by the step's total
+            elif k == "ratio_min":
+                metrics[k] = min(metrics.get(k, v), v)
+            elif k == "ratio_max":
+                metrics[k] = max(metrics.get(k, v), v)
+            else:
+                metrics[k] = metrics.get(k, 0.0) + w * v
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm else float("inf"))
+    metrics["grad_norm"] = float(norm)
+    optimizer.step()
+    return metrics
+
+
+def make_optimizer(model: nn.Module, lr: float = 1e-3, weight_decay: float = 0.0) -> torch.optim.Optimizer:
+    # foreach=False: the single-tensor loop has one fixed reduction order on every build.
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, foreach=False)
+
+
+def set_deterministic(seed: int | None = 0, *, num_threads: int | None = None) -> None:
+    """Bit-reproducible CPU training: deterministic kernels, seeded RNGs and, where results must
+    match across machines, a fixed intra-op thread count (CPU reductions may split work by
+    thread count)."""
+    torch.use_deterministic_algorithms(True, warn_only=False)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    if seed is not None:
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)

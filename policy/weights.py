@@ -1,0 +1,193 @@
+"""Weights I/O: safetensors files and bytes, with a content checksum.
+
+Checksum (scheme ``jetrl-sha256-v1``): SHA-256 over the tensors in canonical order, sorted by
+the UTF-8 bytes of their names. It starts with the scheme tag ``b"jetrl-sha256-v1\\0"``, then,
+per tensor, every field length-prefixed so no two layouts can collide::
+
+    u32 len(name) | name (UTF-8) | u8 len(dtype) | dtype (safetensors code: F32, BF16, ...)
+    | u8 ndim | u64 dim * ndim | u64 nbytes | raw bytes (C order, little-endian)
+
+Integers are little-endian. The digest depends only on names, dtypes, shapes and values: not on
+file layout, header order, metadata, storage sharing or the order tensors were inserted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from safetensors.torch import save_file as st_save_file
+from torch import nn
+
+CHECKSUM_SCHEME = "jetrl-sha256-v1"
+META_CHECKSUM = "jetrl.checksum"
+META_SCHEME = "jetrl.checksum_scheme"
+
+_DTYPE_CODES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+
+Tensors = Mapping[str, torch.Tensor]
+
+
+class ChecksumMismatch(ValueError):
+    """Stored or expected checksum differs from the weights' content."""
+
+
+def state_dict_of(model_or_tensors: nn.Module | Tensors) -> dict[str, torch.Tensor]:
+    """Detached, contiguous CPU tensors with no shared storage (safetensors refuses aliases,
+    e.g. tied embeddings), from a model's ``state_dict()`` or a mapping."""
+    sd = model_or_tensors.state_dict() if isinstance(model_or_tensors, nn.Module) else model_or_tensors
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in sd.items():
+        t = t.detach().cpu().contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen and t.numel():
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        out[name] = t
+    return out
+
+
+def _raw_bytes(t: torch.Tensor) -> memoryview:
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+def checksum(tensors: nn.Module | Tensors) -> str:
+    """Hex SHA-256 of the weights' content (see the module docstring for the definition)."""
+    sd = tensors.state_dict() if isinstance(tensors, nn.Module) else tensors
+    h = hashlib.sha256(CHECKSUM_SCHEME.encode() + b"\0")
+    for name in sorted(sd, key=lambda n: n.encode()):
+        t = sd[name]
+        code = _DTYPE_CODES.get(t.dtype)
+        if code is None:
+            raise TypeError(f"{name}: dtype {t.dtype} has no checksum code")
+        raw = _raw_bytes(t)
+        nb = name.encode()
+        h.update(struct.pack("<I", len(nb)) + nb)
+        h.update(struct.pack("<B", len(code)) + code.encode())
+        h.update(struct.pack("<B", t.ndim) + b"".join(struct.pack("<Q", d) for d in t.shape))
+        h.update(struct.pack("<Q", raw.nbytes))
+        h.update(raw)
+    return h.hexdigest()
+
+
+def _metadata(digest: str, metadata: Mapping[str, str] | None) -> dict[str, str]:
+    meta = dict(metadata or {})
+    meta[META_CHECKSUM] = digest
+    meta[META_SCHEME] = CHECKSUM_SCHEME
+    return meta
+
+
+def _verify(tensors: Tensors, stored: str | None, expected: str | None, where: str) -> str:
+    digest = checksum(tensors)
+    for label, want in (("stored", stored), ("expected", expected)):
+        if want is not None and want != digest:
+            raise ChecksumMismatch(f"{where}: {label} checksum {want} but the content hashes to {digest}")
+    return digest
+
+
+def save_weights(
+    path: str | os.PathLike[str], weights: nn.Module | Tensors, metadata: Mapping[str, str] | None = None
+) -> str:
+    """Write a safetensors file (atomically: temp file, then rename); returns the checksum,
+    which is also stored in the file's metadata."""
+    sd = state_dict_of(weights)
+    digest = checksum(sd)
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    st_save_file(sd, str(tmp), metadata=_metadata(digest, metadata))
+    os.replace(tmp, path)
+    return digest
+
+
+def load_weights(
+    path: str | os.PathLike[str], *, expected_checksum: str | None = None, verify: bool = True
+) -> tuple[dict[str, torch.Tensor], str]:
+    """Read a safetensors file; with ``verify`` the content must match the stored checksum
+    (and ``expected_checksum`` if given). Returns ``(tensors, checksum)``."""
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not a dict
+    if not verify:
+        return tensors, meta.get(META_CHECKSUM) or checksum(tensors)
+    return tensors, _verify(tensors, meta.get(META_CHECKSUM), expected_checksum, str(path))
+
+
+def weights_to_bytes(
+    weights: nn.Module | Tensors, metadata: Mapping[str, str] | None = None
+) -> tuple[bytes, str]:
+    """Serialise to safetensors bytes (for an object store); returns ``(data, checksum)``."""
+    sd = state_dict_of(weights)
+    digest = checksum(sd)
+    return st_save(sd, metadata=_metadata(digest, metadata)), digest
+
+
+def weights_from_bytes(
+    data: bytes, *, expected_checksum: str | None = None, verify: bool = True
+) -> tuple[dict[str, torch.Tensor], str]:
+    tensors = st_load(data)
+    if not verify:
+        return tensors, checksum(tensors)
+    return tensors, _verify(
+        tensors, read_metadata(data).get(META_CHECKSUM), expected_checksum, "weights bytes"
+    )
+
+
+def read_metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of safetensors bytes, without loading the tensors."""
+    import json
+
+    if len(data) < 8:
+        raise ValueError("not safetensors data: shorter than its header length")
+    (n,) = struct.unpack("<Q", data[:8])
+    header: dict[str, Any] = json.loads(data[8 : 8 + n])
+    return dict(header.get("__metadata__") or {})
+
+
+def load_into(model: nn.Module, tensors: Tensors, *, strict: bool = True) -> None:
+    """Copy weights into ``model`` (cast to its dtype), e.g. an inference copy in bf16."""
+    with torch.no_grad():
+        model.load_state_dict(dict(tensors), strict=strict)
+
+
+def to_hf(weights: nn.Module | Tensors, model_cfg: Any) -> dict[str, torch.Tensor]:
+    """Hugging Face Qwen3/Qwen3-MoE names and per-expert tensors, via torchtitan's
+    ``Qwen3StateDictAdapter``. ``model_cfg`` is a :class:`~jetrl.policy.models.ModelConfig`."""
+    from jetrl.policy.models import to_titan_config
+    from jetrl.policy.titan import Qwen3StateDictAdapter
+
+    adapter = Qwen3StateDictAdapter(to_titan_config(model_cfg), None)
+    return adapter.to_hf(state_dict_of(weights))
+
+
+def from_hf(hf_tensors: Tensors, model_cfg: Any) -> dict[str, torch.Tensor]:
+    from jetrl.policy.models import to_titan_config
+    from jetrl.policy.titan import Qwen3StateDictAdapter
+
+    adapter = Qwen3StateDictAdapter(to_titan_config(model_cfg), None)
+    return adapter.from_hf(dict(hf_tensors))

@@ -1,0 +1,95 @@
+import pytest
+import torch
+
+from jetrl.policy.models import (
+    CONFIGS,
+    CachedSDPA,
+    KVCache,
+    build_model,
+    get_config,
+    moe_routers,
+    to_titan_config,
+)
+from jetrl.policy.titan import TokenChoiceTopKRouter, qwen3_configs
+
+
+def test_tiny_moe_is_torchtitan_qwen3(model, cfg):
+    from jetrl.policy.titan import Qwen3Model
+
+    assert isinstance(model, Qwen3Model)
+    routers = moe_routers(model)
+    assert len(routers) == cfg.n_layers
+    assert all(isinstance(r, TokenChoiceTopKRouter) for r in routers)
+    assert all(r.top_k == cfg.top_k and r.num_experts == cfg.num_experts for r in routers)
+    assert all(isinstance(layer.attention.inner_attention, CachedSDPA) for layer in model.layers.values())
+
+
+def test_build_is_seeded_and_leaves_global_rng_alone(cfg):
+    torch.manual_seed(123)
+    before = torch.rand(1)
+    torch.manual_seed(123)
+    a, b, c = build_model(cfg, seed=3), build_model(cfg, seed=3), build_model(cfg, seed=4)
+    assert torch.equal(torch.rand(1), before)
+    for (n, p), (_, q) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert torch.equal(p, q), n
+    assert any(not torch.equal(p, r) for p, r in zip(a.parameters(), c.parameters(), strict=True))
+
+
+def test_forward_backward_shapes(model, cfg):
+    x = torch.randint(0, cfg.vocab_size, (3, 9))
+    out = model(x)
+    assert out.shape == (3, 9, cfg.vocab_size) and out.dtype == torch.float32
+    out.logsumexp(-1).mean().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_kv_cache_matches_full_forward(model, cfg):
+    x = torch.randint(0, cfg.vocab_size, (2, 10))
+    with torch.no_grad():
+        full = model(x)
+        cache = KVCache()
+        cache.begin(torch.ones(2, 6, dtype=torch.bool))
+        parts = [model(x[:, :6], torch.arange(6).expand(2, 6), cache)]
+        for i in range(6, 10):
+            cache.begin(torch.ones(2, 1, dtype=torch.bool))
+            parts.append(model(x[:, i : i + 1], torch.full((2, 1), i), cache))
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_cached_sdpa_rejects_foreign_masks(model, cfg):
+    with pytest.raises(TypeError, match="KVCache"):
+        model(torch.zeros(1, 3, dtype=torch.long), None, object())
+
+
+def test_dense_config_builds():
+    m = build_model("tiny-dense")
+    assert moe_routers(m) == []
+    assert m(torch.zeros(1, 4, dtype=torch.long)).shape == (1, 4, 64)
+
+
+@pytest.mark.parametrize(("ours", "theirs"), [("qwen3-30b-a3b", "30B-A3B"), ("qwen3-235b-a22b", "235B-A22B")])
+def test_published_configs_match_torchtitan(ours, theirs):
+    mine = to_titan_config(CONFIGS[ours])
+    ref = qwen3_configs[theirs]("flex")
+    assert (mine.vocab_size, mine.dim, len(mine.layers)) == (ref.vocab_size, ref.dim, len(ref.layers))
+    a, b = mine.layers[0], ref.layers[0]
+    assert (a.attention.n_heads, a.attention.n_kv_heads, a.attention.head_dim) == (
+        b.attention.n_heads,
+        b.attention.n_kv_heads,
+        b.attention.head_dim,
+    )
+    assert a.attention.rope.theta == b.attention.rope.theta
+    assert (a.moe.num_experts, a.moe.router.top_k, a.moe.router.score_func, a.moe.router.route_norm) == (
+        b.moe.num_experts,
+        b.moe.router.top_k,
+        b.moe.router.score_func,
+        b.moe.router.route_norm,
+    )
+    assert a.moe.routed_experts.inner_experts.hidden_dim == b.moe.routed_experts.inner_experts.hidden_dim
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="top_k"):
+        get_config("tiny-moe", top_k=9)
+    with pytest.raises(KeyError, match="unknown model config"):
+        get_config("nope")
