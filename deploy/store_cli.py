@@ -1,0 +1,402 @@
+"""`jetrl runs | history | export | rebuild`: the step-history store from the command line.
+
+Every command takes ``--db URL``; without it the run directory's SQLite file
+(``<runs-dir>/<RUN>/store.db``) is used. Heavy imports (SQLAlchemy, NATS, pyarrow) happen inside
+the commands so that registering them costs the rest of the CLI nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jetrl.store.db import Store
+
+EXPORT_FORMATS = ("jsonl", "csv", "parquet")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _default_db(runs_dir: str, run: str) -> Path:
+    return Path(runs_dir) / run / "store.db"
+
+
+def _open(args: argparse.Namespace, run: str | None = None, *, must_exist: bool = True) -> Store:
+    from jetrl.store.db import open_store, sqlite_url
+
+    if args.db:
+        return open_store(args.db)
+    if run is None:
+        raise SystemExit("--db is required here")
+    path = _default_db(args.runs_dir, run)
+    if must_exist and not path.exists():
+        raise SystemExit(f"no store for run {run!r} at {path} (pass --db URL or --runs-dir)")
+    return open_store(sqlite_url(path))
+
+
+def _ts(t: float | None) -> str:
+    return "" if t is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def _num(v: float | None, digits: int = 3) -> str:
+    return "" if v is None else f"{v:.{digits}f}"
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    # Piped output gets rich's 80 columns by default, which squeezes the wide tables unreadable.
+    return Console() if sys.stdout.isatty() else Console(width=200)
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    """A table of runs: from ``--db``, or from every ``<runs-dir>/*/store.db``."""
+    from rich.table import Table
+
+    from jetrl.store import queries
+    from jetrl.store.db import open_store, sqlite_url
+
+    summaries = []
+    if args.db:
+        with open_store(args.db) as store:
+            summaries = queries.list_runs(store)
+    else:
+        for path in sorted(Path(args.runs_dir).glob("*/store.db")):
+            with open_store(sqlite_url(path)) as store:
+                summaries.extend(queries.list_runs(store))
+    if args.json:
+        print(json.dumps([dataclasses.asdict(s) for s in summaries], indent=1, default=str))
+        return 0
+    table = Table(title="jetrl runs")
+    for col in (
+        "run",
+        "status",
+        "started",
+        "finished",
+        "steps",
+        "version",
+        "rollouts",
+        "trained",
+        "withheld",
+    ):
+        table.add_column(col, justify="left" if col in ("run", "status", "started", "finished") else "right")
+    table.add_column("reward", justify="right")
+    table.add_column("dead letters", justify="right")
+    for s in summaries:
+        table.add_row(
+            s.run_id,
+            s.status,
+            _ts(s.started_at),
+            _ts(s.finished_at),
+            str(s.steps),
+            "" if s.latest_version is None else str(s.latest_version),
+            str(s.rollouts),
+            str(s.trained),
+            str(s.withheld),
+            _num(s.reward_mean),
+            str(s.dead_letters),
+        )
+    _console().print(table)
+    if not summaries:
+        print(f"no runs found (looked in {args.db or args.runs_dir})", file=sys.stderr)
+    return 0
+
+
+# ----------------------------------------------------------------------------- history
+
+
+def cmd_history(args: argparse.Namespace) -> int:
+    """The step table of a run (``--json`` for machines)."""
+    from rich.table import Table
+
+    from jetrl.store import queries
+
+    with _open(args, args.run) as store:
+        summary = queries.run_summary(store, args.run)
+        rows = queries.step_history(
+            store, args.run, from_step=args.from_step, to_step=args.to_step, limit=args.limit
+        )
+    if summary is None:
+        print(f"run {args.run!r} is not in the store", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
+        return 0
+    metric_names = sorted({k for r in rows for k in r.metrics})[:6]
+    table = Table(
+        title=f"run {args.run} — {summary.status}, {summary.steps} steps, {summary.rollouts} rollouts"
+    )
+    for col in (
+        "step",
+        "version",
+        "time",
+        "duration s",
+        "tokens",
+        "rollouts",
+        "withheld",
+        "reward",
+        "staleness",
+    ):
+        table.add_column(col, justify="left" if col == "time" else "right")
+    for m in metric_names:
+        table.add_column(m, justify="right")
+    for r in rows:
+        table.add_row(
+            str(r.step),
+            str(r.policy_version),
+            _ts(r.completed_at),
+            _num(r.duration_s, 2),
+            str(r.tokens),
+            str(r.num_rollouts),
+            str(r.withheld),
+            _num(r.reward_mean),
+            _num(r.staleness_mean, 2),
+            *(
+                _num(r.metrics.get(m)) if isinstance(r.metrics.get(m), float | int) else ""
+                for m in metric_names
+            ),
+        )
+    _console().print(table)
+    return 0
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def _export_rows(store: Store, table_name: str, run: str) -> tuple[list[str], Iterator[dict[str, Any]]]:
+    import sqlalchemy as sa
+
+    from jetrl.store import schema as sc
+
+    table = sc.Base.metadata.tables[table_name]
+    cols = [c.name for c in table.columns]
+
+    def rows() -> Iterator[dict[str, Any]]:
+        q = sa.select(table).where(table.c.run_id == run).order_by(*table.primary_key.columns)
+        with store.read() as conn:
+            for row in conn.execution_options(yield_per=5000).execute(q).mappings():
+                yield dict(row)
+
+    return cols, rows()
+
+
+def _flat(v: Any) -> Any:
+    # One value per cell: JSON columns as JSON text, bytes as hex.
+    if isinstance(v, dict | list):
+        return json.dumps(v, sort_keys=True)
+    if isinstance(v, bytes | memoryview):
+        return bytes(v).hex()
+    return v
+
+
+def _arrow_schema(table_name: str) -> Any:
+    import pyarrow as pa
+    import sqlalchemy as sa
+
+    from jetrl.store import schema as sc
+
+    fields = []
+    for c in sc.Base.metadata.tables[table_name].columns:
+        t = c.type
+        if isinstance(t, sa.Boolean):
+            at = pa.bool_()
+        elif isinstance(t, sa.Integer):
+            at = pa.int64()
+        elif isinstance(t, sa.Double | sa.Float):
+            at = pa.float64()
+        elif isinstance(t, sa.LargeBinary):
+            at = pa.binary()
+        else:  # strings and JSON (as text)
+            at = pa.string()
+        fields.append(pa.field(c.name, at))
+    return pa.schema(fields)
+
+
+def export_run(store: Store, run: str, out_dir: Path, fmt: str, tables: list[str]) -> dict[str, int]:
+    """Write each table's rows of ``run`` to ``out_dir/<table>.<fmt>``; returns rows per table."""
+    if fmt not in EXPORT_FORMATS:
+        raise ValueError(f"format must be one of {EXPORT_FORMATS}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    counts: dict[str, int] = {}
+    for name in tables:
+        cols, rows = _export_rows(store, name, run)
+        path = out_dir / f"{name}.{fmt}"
+        n = 0
+        if fmt == "jsonl":
+            with path.open("w") as f:
+                for r in rows:
+                    f.write(
+                        json.dumps({k: _flat(v) if isinstance(v, bytes) else v for k, v in r.items()}) + "\n"
+                    )
+                    n += 1
+        elif fmt == "csv":
+            with path.open("w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=cols)
+                w.writeheader()
+                for r in rows:
+                    w.writerow({k: _flat(v) for k, v in r.items()})
+                    n += 1
+        else:
+            try:
+                import pyarrow as pa
+                import pyarrow.parquet as pq
+            except ImportError as exc:  # pyarrow is the optional `export` extra
+                raise SystemExit("parquet export needs pyarrow: pip install 'jetrl[export]'") from exc
+            schema = _arrow_schema(name)
+            with pq.ParquetWriter(path, schema) as writer:
+                chunk: list[dict[str, Any]] = []
+                for r in rows:
+                    chunk.append({k: (v if isinstance(v, bytes) else _flat(v)) for k, v in r.items()})
+                    if len(chunk) >= 10_000:
+                        writer.write_table(pa.Table.from_pylist(chunk, schema=schema))
+                        n += len(chunk)
+                        chunk = []
+                if chunk or n == 0:
+                    writer.write_table(pa.Table.from_pylist(chunk, schema=schema))
+                    n += len(chunk)
+        counts[name] = n
+    return counts
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Export a run's tables as JSON lines, CSV or Parquet, one file per table."""
+    from jetrl.store import schema as sc
+
+    all_tables = [t.name for t in sc.PROJECTION_TABLES]
+    tables = all_tables if args.table in (None, "all") else [args.table]
+    out = Path(args.out) if args.out else Path(args.runs_dir) / args.run / "export"
+    with _open(args, args.run) as store:
+        counts = export_run(store, args.run, out, args.format, tables)
+    for name, n in counts.items():
+        print(f"{out / f'{name}.{args.format}'}: {n} rows")
+    return 0
+
+
+# ----------------------------------------------------------------------------- rebuild
+
+
+async def rebuild_run(
+    store: Store,
+    nats_url: str,
+    run: str,
+    *,
+    consumer: str = "recorder",
+    batch: int = 1000,
+    to_head: bool = False,
+) -> tuple[bool, dict[str, Any], dict[str, Any], dict[str, list[str]]]:
+    """Drop the run's projection, rebuild it from the log up to the sequence it had recorded,
+    and compare canonical dumps of every table. Returns (equal, old digests, new digests, diff).
+    Stop the run's live recorder first: the rebuild rewrites its tracking row."""
+    from jetrl.bus.client import Bus
+    from jetrl.bus.streams import stream_name
+    from jetrl.consumers.recorder import Recorder
+    from jetrl.store import dump
+    from jetrl.store.projection import read_offset
+
+    with store.read() as conn:
+        before = dump.dump_run(conn, run)
+        recorded = read_offset(conn, stream_name(run), consumer)
+    if recorded == 0:
+        raise SystemExit(f"run {run!r} has nothing recorded by consumer {consumer!r}: nothing to rebuild")
+    with store.write() as conn:
+        dump.delete_run(conn, run)
+    bus = await Bus.connect(nats_url.split(","), name=f"rebuild-{run}")
+    rec = Recorder(bus, store, run, durable=consumer, batch=batch)
+    try:
+        await rec.replay(until_seq=recorded)
+        with store.read() as conn:
+            after = dump.dump_run(conn, run)
+        if to_head:
+            await rec.replay()
+    finally:
+        rec.close()
+        await bus.close()
+    old, new = dump.digest(before), dump.digest(after)
+    return before == after, old, new, dump.diff(before, after)
+
+
+def cmd_rebuild(args: argparse.Namespace) -> int:
+    """Drop and rebuild a run's projection from its log; prove it equals the old one."""
+    from rich.table import Table
+
+    with _open(args, args.run) as store:
+        equal, old, new, diff = asyncio.run(
+            rebuild_run(
+                store, args.nats_url, args.run, consumer=args.consumer, batch=args.batch, to_head=args.to_head
+            )
+        )
+    table = Table(title=f"rebuild of run {args.run}: {'identical' if equal else 'DIFFERENT'}")
+    for col in ("table", "rows before", "rows after", "sha256 before", "sha256 after", "equal"):
+        table.add_column(col)
+    for name in old:
+        o, n = old[name], new[name]
+        table.add_row(name, str(o.rows), str(n.rows), o.sha256[:16], n.sha256[:16], "yes" if o == n else "NO")
+    _console().print(table)
+    for name, lines in diff.items():
+        print(f"{name}:", *lines, sep="\n  ", file=sys.stderr)
+    return 0 if equal else 1
+
+
+# ----------------------------------------------------------------------------- registration
+
+
+def _db_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--db", default=None, help="store URL (default: sqlite file <runs-dir>/<RUN>/store.db)")
+    p.add_argument("--runs-dir", default="runs", help="directory of run directories (default %(default)s)")
+
+
+def add_store_commands(subparsers: Any) -> None:
+    """Register runs, history, export and rebuild on the `jetrl` CLI's subparsers."""
+    p = subparsers.add_parser("runs", help="table of the runs in the store")
+    _db_args(p)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_runs)
+
+    p = subparsers.add_parser("history", help="step history of a run")
+    p.add_argument("run")
+    _db_args(p)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--from-step", type=int, default=None)
+    p.add_argument("--to-step", type=int, default=None)
+    p.add_argument("--limit", type=int, default=None)
+    p.set_defaults(func=cmd_history)
+
+    p = subparsers.add_parser("export", help="export a run's tables (jsonl, csv, parquet)")
+    p.add_argument("run")
+    _db_args(p)
+    p.add_argument("--format", choices=EXPORT_FORMATS, default="jsonl")
+    p.add_argument("--table", default="all", help="one table, or all (default)")
+    p.add_argument("--out", default=None, help="output directory (default <runs-dir>/<RUN>/export)")
+    p.set_defaults(func=cmd_export)
+
+    p = subparsers.add_parser(
+        "rebuild", help="drop and rebuild a run's store from its log, and prove it equal"
+    )
+    p.add_argument("run")
+    _db_args(p)
+    p.add_argument("--nats-url", required=True, help="NATS server holding the run's log")
+    p.add_argument(
+        "--consumer", default="recorder", help="projection consumer to rebuild (default %(default)s)"
+    )
+    p.add_argument("--batch", type=int, default=1000)
+    p.add_argument(
+        "--to-head", action="store_true", help="after the proof, go on recording up to the log head"
+    )
+    p.set_defaults(func=cmd_rebuild)
+
+
+# The name deploy/cli.py looks for in its command modules.
+add_command = add_store_commands

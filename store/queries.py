@@ -1,0 +1,495 @@
+"""Read side of the store, for the rest of jetrl (CLI, monitor, replay, supervisor).
+
+Every function takes a :class:`~jetrl.store.db.Store` or an open ``Connection`` and returns
+plain frozen dataclasses, so callers never depend on the schema's columns directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+
+from jetrl.store import schema as sc
+from jetrl.store.db import Store
+
+__all__ = [
+    "DeadLetterRow",
+    "PolicyVersionRow",
+    "RunSummary",
+    "ScopeStats",
+    "StepRolloutRow",
+    "StepRow",
+    "WorkerRow",
+    "dead_letters",
+    "env_stats",
+    "latest_policy_version",
+    "list_runs",
+    "policy_versions",
+    "recorded_seq",
+    "run_summary",
+    "scope_stats",
+    "step_history",
+    "step_rollouts",
+    "tenant_stats",
+    "workers",
+]
+
+Source = Store | sa.Connection
+
+R = sc.Rollout.__table__
+S = sc.Step.__table__
+SR = sc.StepRollout.__table__
+PV = sc.PolicyVersion.__table__
+W = sc.Worker.__table__
+DL = sc.DeadLetter.__table__
+RUNS = sc.Run.__table__
+OFF = sc.OFFSETS
+
+
+@contextmanager
+def _conn(src: Source) -> Iterator[sa.Connection]:
+    if isinstance(src, sa.Connection):
+        yield src
+    else:
+        with src.read() as conn:
+            yield conn
+
+
+def _f(v: Any) -> float | None:
+    return None if v is None else float(v)
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    run_id: str
+    status: str
+    started_at: float | None
+    finished_at: float | None
+    config: dict[str, Any] | None
+    code_version: str | None
+    steps: int
+    last_step: int | None
+    latest_version: int | None
+    rollouts: int
+    trained: int
+    withheld: int
+    reward_mean: float | None
+    staleness_mean: float | None
+    tokens: int
+    dead_letters: int
+    workers: int
+    recorded_seq: int
+    last_event_at: float | None
+
+    @property
+    def pending(self) -> int:
+        """Scored rollouts neither trained on nor withheld (yet)."""
+        return self.rollouts - self.trained - self.withheld
+
+
+def _summaries(conn: sa.Connection, run_ids: Sequence[str] | None) -> list[RunSummary]:
+    runs_q = sa.select(RUNS).order_by(RUNS.c.started_at.desc().nulls_last(), RUNS.c.run_id)
+    if run_ids is not None:
+        runs_q = runs_q.where(RUNS.c.run_id.in_(run_ids))
+    runs = conn.execute(runs_q).mappings().all()
+    if not runs:
+        return []
+    ids = [r["run_id"] for r in runs]
+
+    def by_run(q: sa.Select[Any]) -> dict[str, Any]:
+        return {row[0]: row[1:] for row in conn.execute(q)}
+
+    steps = by_run(
+        sa.select(
+            S.c.run_id, sa.func.count(), sa.func.max(S.c.step), sa.func.coalesce(sa.func.sum(S.c.tokens), 0)
+        )
+        .where(S.c.run_id.in_(ids))
+        .group_by(S.c.run_id)
+    )
+    rolls = by_run(
+        sa.select(
+            R.c.run_id,
+            sa.func.count(R.c.scored_seq),
+            sa.func.count(R.c.trained_seq),
+            sa.func.count(R.c.withheld_seq),
+            sa.func.avg(R.c.reward),
+            sa.func.avg(R.c.staleness),
+        )
+        .where(R.c.run_id.in_(ids))
+        .group_by(R.c.run_id)
+    )
+    versions = by_run(
+        sa.select(PV.c.run_id, sa.func.max(PV.c.version)).where(PV.c.run_id.in_(ids)).group_by(PV.c.run_id)
+    )
+    dls = by_run(sa.select(DL.c.run_id, sa.func.count()).where(DL.c.run_id.in_(ids)).group_by(DL.c.run_id))
+    wks = by_run(sa.select(W.c.run_id, sa.func.count()).where(W.c.run_id.in_(ids)).group_by(W.c.run_id))
+    offs = by_run(
+        sa.select(OFF.c.run_id, sa.func.max(OFF.c.last_seq), sa.func.max(OFF.c.last_event_at))
+        .where(OFF.c.run_id.in_(ids))
+        .group_by(OFF.c.run_id)
+    )
+    out = []
+    for r in runs:
+        rid = r["run_id"]
+        st = steps.get(rid, (0, None, 0))
+        ro = rolls.get(rid, (0, 0, 0, None, None))
+        of = offs.get(rid, (0, None))
+        out.append(
+            RunSummary(
+                run_id=rid,
+                status=r["status"],
+                started_at=r["started_at"],
+                finished_at=r["finished_at"],
+                config=r["config"],
+                code_version=r["code_version"],
+                steps=int(st[0]),
+                last_step=st[1],
+                latest_version=versions.get(rid, (None,))[0],
+                rollouts=int(ro[0]),
+                trained=int(ro[1]),
+                withheld=int(ro[2]),
+                reward_mean=_f(ro[3]),
+                staleness_mean=_f(ro[4]),
+                tokens=int(st[2]),
+                dead_letters=int(dls.get(rid, (0,))[0]),
+                workers=int(wks.get(rid, (0,))[0]),
+                recorded_seq=int(of[0] or 0),
+                last_event_at=of[1],
+            )
+        )
+    return out
+
+
+def list_runs(src: Source) -> list[RunSummary]:
+    """Every run in the store, newest first."""
+    with _conn(src) as conn:
+        return _summaries(conn, None)
+
+
+def run_summary(src: Source, run_id: str) -> RunSummary | None:
+    with _conn(src) as conn:
+        rows = _summaries(conn, [run_id])
+    return rows[0] if rows else None
+
+
+def recorded_seq(src: Source, run_id: str, consumer: str = "recorder") -> int:
+    """The last log sequence the named projection consumer has committed for the run."""
+    with _conn(src) as conn:
+        v = conn.execute(
+            sa.select(OFF.c.last_seq).where(OFF.c.run_id == run_id, OFF.c.consumer == consumer)
+        ).scalar()
+    return int(v or 0)
+
+
+# ----------------------------------------------------------------------------- steps
+
+
+@dataclass(frozen=True)
+class StepRow:
+    step: int
+    policy_version: int
+    completed_at: float
+    duration_s: float
+    tokens: int
+    num_rollouts: int
+    metrics: dict[str, float]
+    reward_mean: float | None
+    staleness_mean: float | None
+    staleness_max: int | None
+    withheld: int
+
+
+def step_history(
+    src: Source,
+    run_id: str,
+    *,
+    from_step: int | None = None,
+    to_step: int | None = None,
+    limit: int | None = None,
+) -> list[StepRow]:
+    """Steps in order with their metrics, and the reward and staleness of what each trained
+    on; ``withheld`` counts the rollouts the trainer withheld at that step."""
+    trained = (
+        sa.select(
+            R.c.trained_step.label("step"),
+            sa.func.avg(R.c.reward).label("reward_mean"),
+            sa.func.avg(R.c.staleness).label("staleness_mean"),
+            sa.func.max(R.c.staleness).label("staleness_max"),
+        )
+        .where(R.c.run_id == run_id, R.c.trained_step.is_not(None))
+        .group_by(R.c.trained_step)
+        .subquery()
+    )
+    withheld = (
+        sa.select(R.c.withheld_step.label("step"), sa.func.count().label("n"))
+        .where(R.c.run_id == run_id, R.c.withheld_seq.is_not(None))
+        .group_by(R.c.withheld_step)
+        .subquery()
+    )
+    q = (
+        sa.select(
+            S,
+            trained.c.reward_mean,
+            trained.c.staleness_mean,
+            trained.c.staleness_max,
+            sa.func.coalesce(withheld.c.n, 0).label("withheld"),
+        )
+        .outerjoin(trained, trained.c.step == S.c.step)
+        .outerjoin(withheld, withheld.c.step == S.c.step)
+        .where(S.c.run_id == run_id)
+        .order_by(S.c.step)
+    )
+    if from_step is not None:
+        q = q.where(S.c.step >= from_step)
+    if to_step is not None:
+        q = q.where(S.c.step <= to_step)
+    if limit is not None:
+        q = q.limit(limit)
+    with _conn(src) as conn:
+        rows = conn.execute(q).mappings().all()
+    return [
+        StepRow(
+            step=r["step"],
+            policy_version=r["policy_version"],
+            completed_at=r["completed_at"],
+            duration_s=r["duration_s"],
+            tokens=r["tokens"],
+            num_rollouts=r["num_rollouts"],
+            metrics=dict(r["metrics"] or {}),
+            reward_mean=_f(r["reward_mean"]),
+            staleness_mean=_f(r["staleness_mean"]),
+            staleness_max=r["staleness_max"],
+            withheld=int(r["withheld"]),
+        )
+        for r in rows
+    ]
+
+
+@dataclass(frozen=True)
+class StepRolloutRow:
+    position: int
+    rollout_id: str
+    rollout_seq: int | None
+    scored_seq: int | None
+    tenant: str | None
+    env: str | None
+    group_id: str | None
+    task_id: str | None
+    reward: float | None
+    policy_version_start: int | None
+    policy_version_end: int | None
+    staleness: int | None
+    completion_tokens: int | None
+    payloads: dict[str, Any] | None
+
+
+def step_rollouts(src: Source, run_id: str, step: int) -> list[StepRolloutRow]:
+    """The rollouts a step trained on, in training order (StepCompleted.rollout_ids), with the
+    log sequence of each RolloutScored: what a replay of the step reads back."""
+    q = (
+        sa.select(
+            SR.c.position,
+            SR.c.rollout_id,
+            SR.c.rollout_seq,
+            R.c.scored_seq,
+            R.c.tenant,
+            R.c.env,
+            R.c.group_id,
+            R.c.task_id,
+            R.c.reward,
+            R.c.policy_version_start,
+            R.c.policy_version_end,
+            R.c.staleness,
+            R.c.completion_tokens,
+            R.c.payloads,
+        )
+        .outerjoin(R, sa.and_(R.c.run_id == SR.c.run_id, R.c.rollout_id == SR.c.rollout_id))
+        .where(SR.c.run_id == run_id, SR.c.step == step)
+        .order_by(SR.c.position)
+    )
+    with _conn(src) as conn:
+        return [StepRolloutRow(**dict(r)) for r in conn.execute(q).mappings()]
+
+
+# ----------------------------------------------------------------------------- tenants and envs
+
+
+@dataclass(frozen=True)
+class ScopeStats:
+    tenant: str | None
+    env: str | None
+    rollouts: int
+    trained: int
+    withheld: int
+    stale: int
+    reward_mean: float | None
+    staleness_mean: float | None
+    completion_tokens: int
+
+
+def scope_stats(src: Source, run_id: str, by: Sequence[str] = ("tenant", "env")) -> list[ScopeStats]:
+    """Rollout statistics grouped by tenant, env, or both (``by``)."""
+    if not by or any(b not in ("tenant", "env") for b in by):
+        raise ValueError("group by 'tenant', 'env' or both")
+    keys = [R.c[b] for b in by]
+    q = (
+        sa.select(
+            *keys,
+            sa.func.count(R.c.scored_seq),
+            sa.func.count(R.c.trained_seq),
+            sa.func.count(R.c.withheld_seq),
+            sa.func.count(sa.case((R.c.withheld_reason == "stale", 1))),
+            sa.func.avg(R.c.reward),
+            sa.func.avg(R.c.staleness),
+            sa.func.coalesce(sa.func.sum(R.c.completion_tokens), 0),
+        )
+        .where(R.c.run_id == run_id)
+        .group_by(*keys)
+        .order_by(*keys)
+    )
+    out = []
+    with _conn(src) as conn:
+        for row in conn.execute(q):
+            k = dict(zip(by, row[: len(by)], strict=True))
+            n, tr, wh, stale, rew, stl, tok = row[len(by) :]
+            out.append(
+                ScopeStats(
+                    tenant=k.get("tenant"),
+                    env=k.get("env"),
+                    rollouts=int(n),
+                    trained=int(tr),
+                    withheld=int(wh),
+                    stale=int(stale),
+                    reward_mean=_f(rew),
+                    staleness_mean=_f(stl),
+                    completion_tokens=int(tok),
+                )
+            )
+    return out
+
+
+def tenant_stats(src: Source, run_id: str) -> list[ScopeStats]:
+    return scope_stats(src, run_id, ("tenant",))
+
+
+def env_stats(src: Source, run_id: str) -> list[ScopeStats]:
+    return scope_stats(src, run_id, ("env",))
+
+
+# ----------------------------------------------------------------------------- policy, workers, dead letters
+
+
+@dataclass(frozen=True)
+class PolicyVersionRow:
+    version: int
+    step: int | None
+    weights_checksum: str | None
+    parent_version: int | None
+    published_at: float | None
+    location_uri: str | None
+    location: dict[str, Any] | None
+    sha256: str | None
+    size: int | None
+    format: str | None
+    ready_at: float | None
+
+    @property
+    def ready(self) -> bool:
+        return self.location_uri is not None
+
+
+def _pv_query(run_id: str) -> sa.Select[Any]:
+    return sa.select(
+        PV.c.version,
+        PV.c.step,
+        PV.c.weights_checksum,
+        PV.c.parent_version,
+        PV.c.published_at,
+        PV.c.location_uri,
+        PV.c.location,
+        PV.c.sha256,
+        PV.c.size,
+        PV.c.format,
+        PV.c.ready_at,
+    ).where(PV.c.run_id == run_id)
+
+
+def policy_versions(src: Source, run_id: str) -> list[PolicyVersionRow]:
+    with _conn(src) as conn:
+        return [
+            PolicyVersionRow(**dict(r))
+            for r in conn.execute(_pv_query(run_id).order_by(PV.c.version)).mappings()
+        ]
+
+
+def latest_policy_version(src: Source, run_id: str, *, ready: bool = False) -> PolicyVersionRow | None:
+    """The newest published policy version; with ``ready``, the newest whose weights are
+    readable (WeightsReady seen), which is what a worker can load."""
+    q = _pv_query(run_id).where(PV.c.published_seq.is_not(None))
+    if ready:
+        q = q.where(PV.c.ready_seq.is_not(None))
+    with _conn(src) as conn:
+        r = conn.execute(q.order_by(PV.c.version.desc()).limit(1)).mappings().first()
+    return PolicyVersionRow(**dict(r)) if r else None
+
+
+@dataclass(frozen=True)
+class WorkerRow:
+    worker_id: str
+    kind: str
+    status: str | None
+    last_heartbeat_at: float | None
+    loaded_version: int | None
+    inflight: int | None
+
+
+def workers(src: Source, run_id: str) -> list[WorkerRow]:
+    q = (
+        sa.select(
+            W.c.worker_id, W.c.kind, W.c.status, W.c.last_heartbeat_at, W.c.loaded_version, W.c.inflight
+        )
+        .where(W.c.run_id == run_id)
+        .order_by(W.c.kind, W.c.worker_id)
+    )
+    with _conn(src) as conn:
+        return [WorkerRow(**dict(r)) for r in conn.execute(q).mappings()]
+
+
+@dataclass(frozen=True)
+class DeadLetterRow:
+    event_id: str
+    seq: int
+    reason: str
+    detail: str
+    consumer: str
+    original_subject: str
+    original_seq: int
+    original_type: str | None
+    dead_lettered_at: float
+
+
+def dead_letters(src: Source, run_id: str) -> list[DeadLetterRow]:
+    q = (
+        sa.select(
+            DL.c.event_id,
+            DL.c.seq,
+            DL.c.reason,
+            DL.c.detail,
+            DL.c.consumer,
+            DL.c.original_subject,
+            DL.c.original_seq,
+            DL.c.original_type,
+            DL.c.dead_lettered_at,
+        )
+        .where(DL.c.run_id == run_id)
+        .order_by(DL.c.seq)
+    )
+    with _conn(src) as conn:
+        return [DeadLetterRow(**dict(r)) for r in conn.execute(q).mappings()]
