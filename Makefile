@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/jetrl bus-demo
+	$(BIN)/jetrl run configs/demo.toml
 
 test: $(STAMP)
 	$(BIN)/ruff check .

@@ -125,7 +125,9 @@ class RunFinished(EventBody):
 
 
 class TaskSubmitted(EventBody):
-    """A task handed out for generation: one prompt, ``group_size`` samples wanted."""
+    """A task handed out for generation: one prompt, ``group_size`` samples wanted, with a
+    policy version at least ``min_policy_version`` (how the producer bounds staleness and makes
+    the synchronous mode exact)."""
 
     TYPE: ClassVar[str] = "TaskSubmitted"
     task_id: str
@@ -137,6 +139,8 @@ class TaskSubmitted(EventBody):
     episode_id: str = ""
     turn: int = 0
     info: dict[str, Any] = {}
+    min_policy_version: int = 0
+    temperature: float = 1.0
 
 
 class GenerationTimings(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -11,6 +11,8 @@ from jetrl import __version__
 # Each entry adds its subcommands with `add_command(subparsers)`; imported lazily so that a
 # command's heavy imports (torch, SQLAlchemy) cost nothing to the others.
 _COMMAND_MODULES = [
+    "jetrl.deploy.run_cmd",
+    "jetrl.deploy.store_cli",
     "jetrl.deploy.bus_demo",
 ]
 
@@ -25,7 +27,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from jetrl.deploy.run_cmd import split_overrides
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own, overrides = split_overrides(argv)
+    args = build_parser().parse_args(own)
+    if overrides:
+        if args.command != "run":
+            build_parser().error(f"unrecognized arguments: {' '.join(overrides)}")
+        args.overrides = overrides
     return int(args.func(args) or 0)
 
 

@@ -31,6 +31,9 @@ class LossConfig:
     ratio_bounds_pos: tuple[float, float] = (0.125, 8.0)  # for A >= 0
     ratio_bounds_neg: tuple[float, float] = (0.125, 8.0)  # for A < 0
     kl_coef: float = 1e-3
+    # Entropy bonus: keeps a small policy learning from scratch from collapsing onto a wrong
+    # answer (a group of identical samples has zero advantage and teaches nothing).
+    entropy_coef: float = 0.0
     gap_threshold: float = 0.1  # |p_train - p_inf| above this counts as a large gap (metric only)
 
     def __post_init__(self) -> None:
@@ -40,6 +43,8 @@ class LossConfig:
                 raise ValueError(f"{name} must satisfy 0 <= low <= 1 <= high, got {(low, high)}")
         if self.kl_coef < 0:
             raise ValueError("kl_coef must be >= 0")
+        if self.entropy_coef < 0:
+            raise ValueError("entropy_coef must be >= 0")
 
 
 DEFAULT_LOSS = LossConfig()
@@ -174,6 +179,10 @@ def rl_loss(
     pg_loss = (pg * keep_f).sum() / denom
     kl_loss = (k3 * keep_f).sum() / denom
     loss = pg_loss + cfg.kl_coef * kl_loss
+    if cfg.entropy_coef > 0:
+        if entropy is None:
+            raise ValueError("entropy_coef > 0 needs the per-token entropy")
+        loss = loss - cfg.entropy_coef * (entropy.to(logprobs.dtype) * keep_f).sum() / denom
 
     n_mask = int(mask.sum())
     metrics = mismatch_stats(logprobs, inference_logprobs, mask, cfg.gap_threshold)

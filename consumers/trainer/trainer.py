@@ -1,0 +1,423 @@
+"""The trainer consumer: scored rollouts in, policy versions out.
+
+It pulls RolloutScored events, gathers whole groups, withholds groups staler than
+``max_off_policy_steps`` (a RolloutWithheld event per rollout, never a silent drop), and once it
+holds ``batch_groups`` fresh groups takes one optimizer step on them with Router Replay. Then,
+in this order, it writes the new weights to the payload store and publishes WeightsReady,
+PolicyVersionPublished and StepCompleted (the exact rollouts consumed, in training order), and
+only when StepCompleted is durable does it ack the rollouts. Event ids derive from the step and
+version, so a step re-published after a crash is stored once; rollouts the log says were trained
+are acked and skipped if they are delivered again.
+
+Versions: version ``v`` is the policy after ``v`` steps; step ``k`` trains version ``k`` into
+``k + 1``. A rollout's staleness at step ``k`` is ``k - policy_version_start``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+from pydantic import BaseModel, Field
+
+from jetrl.bus import events as ev
+from jetrl.bus import subjects
+from jetrl.bus.client import Bus, ConsumerSpec, Delivery
+from jetrl.bus.log import get_logger
+from jetrl.bus.payloads import ObjectStorePayloads, Payloads
+from jetrl.policy.loss import LossConfig, group_advantages
+from jetrl.policy.models import build_model, get_config
+from jetrl.policy.train import Rollout, collate, make_optimizer, set_deterministic, train_step
+from jetrl.policy.weights import load_into, weights_from_bytes, weights_to_bytes
+
+
+class TrainerSettings(BaseModel):
+    model: str = "tiny-moe"
+    model_overrides: dict[str, Any] = Field(default_factory=dict)
+    seed: int = 0
+    lr: float = 5e-4
+    weight_decay: float = 0.0
+    batch_groups: int = 8
+    max_off_policy_steps: int = 1
+    max_steps: int = 1000
+    stop_at_reward: float | None = None  # stop once the mean reward over `reward_window` steps reaches it
+    reward_window: int = 10
+    replay: bool = True
+    kl_coef: float = 1e-3
+    entropy_coef: float = 0.0
+    temperature: float = 1.0  # the sampling temperature: trainer logprobs are taken under it
+    std_scale_advantages: bool = False
+    max_grad_norm: float = 1.0
+    checkpoint_every: int = 10
+    threads: int = 1
+    ack_wait_s: float = 120.0
+
+
+@dataclass
+class Group:
+    group_id: str
+    deliveries: list[Delivery] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return self.deliveries[0].event.body.group_size  # type: ignore[attr-defined]
+
+    @property
+    def first_seq(self) -> int:
+        return min(d.seq for d in self.deliveries)
+
+    def oldest_version(self) -> int:
+        return min(d.event.body.policy_version_start for d in self.deliveries)  # type: ignore[attr-defined]
+
+
+def _eid(run_id: str, what: str) -> str:
+    return uuid.uuid5(uuid.NAMESPACE_URL, f"{run_id}/{what}").hex
+
+
+class Trainer:
+    def __init__(self, bus: Bus, run_id: str, settings: TrainerSettings, run_dir: Path) -> None:
+        self.bus = bus
+        self.run_id = run_id
+        self.s = settings
+        self.ckpt_dir = run_dir / "trainer"
+        self.mcfg = get_config(settings.model, **settings.model_overrides)
+        self.model = build_model(self.mcfg, seed=settings.seed)
+        self.optimizer = make_optimizer(self.model, lr=settings.lr, weight_decay=settings.weight_decay)
+        self.loss_cfg = LossConfig(kl_coef=settings.kl_coef, entropy_coef=settings.entropy_coef)
+        self.version = 0
+        self.trained: set[str] = set()
+        self.groups: dict[str, Group] = {}
+        self.payloads: Payloads | None = None
+        self.rewards: deque[float] = deque(maxlen=settings.reward_window)
+        self.withheld = 0
+        self.wait_s = 0.0
+        self.started = time.monotonic()
+        self.log = get_logger(__name__, run_id=run_id, worker_id="trainer")
+
+    # ---------------------------------------------------------------- start / recover
+
+    async def recover(self) -> None:
+        """Rebuild what the log says happened: the latest version and the trained rollouts."""
+        head = await self.bus.last_seq(self.run_id)
+        last_ready: ev.WeightsReady | None = None
+        last_step = -1
+        if head:
+            for subject in (subjects.step_subject(self.run_id), subjects.weights_subject(self.run_id)):
+                async for item in self.bus.tail(self.run_id, filter_subject=subject, idle_timeout=1.0):
+                    b = item.event.body if item.event else None
+                    if isinstance(b, ev.StepCompleted):
+                        self.trained.update(b.rollout_ids)
+                        last_step = max(last_step, b.step)
+                        self.rewards.append(b.metrics.get("reward_mean", 0.0))
+                    elif isinstance(b, ev.WeightsReady) and (
+                        last_ready is None or b.version > last_ready.version
+                    ):
+                        last_ready = b
+                    if item.seq >= head:
+                        break
+        if last_ready is None:
+            await self.publish_version(step=None, rollout_ids=[], rollout_seqs=[], metrics={})
+            self.log.info("initial_policy_published", version=0)
+            return
+        assert self.payloads is not None
+        data = await self.payloads.get_bytes(last_ready.location)
+        tensors, _ = weights_from_bytes(data, expected_checksum=last_ready.weights_checksum)
+        load_into(self.model, tensors)
+        self.version = last_ready.version
+        if self.version != last_step + 1:
+            self.log.warning("log_inconsistent", last_version=self.version, last_step=last_step)
+        ckpt = self.ckpt_dir / "optimizer.pt"
+        if ckpt.exists():
+            state = torch.load(ckpt, weights_only=True)
+            if state.get("version") == self.version:
+                self.optimizer.load_state_dict(state["optimizer"])
+            else:
+                self.log.warning(
+                    "optimizer_state_reset", checkpoint_version=state.get("version"), version=self.version
+                )
+        self.log.info("trainer_recovered", version=self.version, trained_rollouts=len(self.trained))
+
+    # ---------------------------------------------------------------- publishing
+
+    async def publish_version(
+        self,
+        *,
+        step: int | None,
+        rollout_ids: list[str],
+        rollout_seqs: list[int],
+        metrics: dict[str, float],
+        tokens: int = 0,
+        duration_s: float = 0.0,
+    ) -> None:
+        """Weights first, then the facts that point at them; each publish waits for its ack."""
+        assert self.payloads is not None
+        v = self.version
+        data, digest = weights_to_bytes(self.model, {"version": str(v), "run": self.run_id})
+        ref = await self.payloads.put_bytes(f"weights-v{v}", data)
+        await self.bus.publish(
+            ev.new_event(
+                ev.WeightsReady(version=v, location=ref, weights_checksum=digest),
+                run_id=self.run_id,
+                event_id=_eid(self.run_id, f"weights/{v}"),
+            )
+        )
+        await self.bus.publish(
+            ev.new_event(
+                ev.PolicyVersionPublished(
+                    version=v, step=v, weights_checksum=digest, parent_version=v - 1 if v else None
+                ),
+                run_id=self.run_id,
+                event_id=_eid(self.run_id, f"policy/{v}"),
+            )
+        )
+        if step is not None:
+            await self.bus.publish(
+                ev.new_event(
+                    ev.StepCompleted(
+                        step=step,
+                        policy_version=v,
+                        rollout_ids=rollout_ids,
+                        rollout_seqs=rollout_seqs,
+                        metrics=metrics,
+                        tokens=tokens,
+                        duration_s=duration_s,
+                    ),
+                    run_id=self.run_id,
+                    event_id=_eid(self.run_id, f"step/{step}"),
+                )
+            )
+
+    async def withhold(self, group: Group, reason: str, detail: str) -> None:
+        for d in group.deliveries:
+            b = d.event.body
+            assert isinstance(b, ev.RolloutScored)
+            await self.bus.publish(
+                ev.new_event(
+                    ev.RolloutWithheld(
+                        rollout_id=b.rollout_id,
+                        group_id=b.group_id,
+                        env=b.env,
+                        reason=reason,  # type: ignore[arg-type]
+                        trainer_step=self.version,
+                        policy_version=self.version,
+                        staleness=self.version - b.policy_version_start,
+                        detail=detail,
+                    ),
+                    run_id=self.run_id,
+                    tenant=d.event.tenant,
+                    causation_id=d.event.event_id,
+                    event_id=_eid(self.run_id, f"withheld/{b.rollout_id}"),
+                )
+            )
+            await d.ack()
+        self.withheld += len(group.deliveries)
+        self.log.info("group_withheld", group_id=group.group_id, reason=reason, detail=detail)
+
+    # ---------------------------------------------------------------- training
+
+    async def to_rollouts(self, groups: list[Group]) -> tuple[list[Rollout], list[float], list[int]]:
+        assert self.payloads is not None
+        rewards = torch.tensor(
+            [[d.event.body.reward for d in g.deliveries] for g in groups],  # type: ignore[attr-defined]
+            dtype=torch.float32,
+        )
+        adv = group_advantages(rewards, std_scale=self.s.std_scale_advantages)
+        out: list[Rollout] = []
+        stale: list[int] = []
+        for gi, g in enumerate(groups):
+            for si, d in enumerate(g.deliveries):
+                b = d.event.body
+                assert isinstance(b, ev.RolloutScored)
+                trace = None
+                if b.routing_trace is not None and self.s.replay:
+                    trace = torch.from_numpy((await self.payloads.get_array(b.routing_trace)).astype("int64"))
+                out.append(
+                    Rollout(
+                        prompt_ids=(await self.payloads.get_array(b.prompt_tokens)).tolist(),
+                        completion_ids=(await self.payloads.get_array(b.completion_tokens)).tolist(),
+                        inference_logprobs=torch.from_numpy(
+                            (await self.payloads.get_array(b.logprobs)).copy()
+                        ),
+                        advantage=float(adv[gi, si]),
+                        routing=trace,
+                    )
+                )
+                stale.append(self.version - b.policy_version_start)
+        return out, rewards.flatten().tolist(), stale
+
+    def _train(self, rollouts: list[Rollout]) -> dict[str, float]:
+        batch = collate(rollouts, self.mcfg)
+        replay = self.s.replay and self.mcfg.is_moe
+        return train_step(
+            self.model,
+            self.optimizer,
+            batch,
+            self.loss_cfg,
+            replay=replay,
+            max_grad_norm=self.s.max_grad_norm,
+            temperature=self.s.temperature,
+        )
+
+    async def step(self, groups: list[Group], wait_s: float) -> None:
+        t0 = time.perf_counter()
+        # Training order: groups by arrival, samples by index (recorded in StepCompleted).
+        for g in groups:
+            g.deliveries.sort(key=lambda d: d.event.body.sample_index)  # type: ignore[attr-defined]
+        rollouts, rewards, stale = await self.to_rollouts(groups)
+        metrics = await asyncio.to_thread(self._train, rollouts)
+        step = self.version
+        self.version += 1
+        tokens = sum(len(r.completion_ids) for r in rollouts)
+        parts: dict[str, list[float]] = {}
+        for g in groups:
+            for d in g.deliveries:
+                for k, v in d.event.body.reward_parts.items():  # type: ignore[attr-defined]
+                    parts.setdefault(k, []).append(v)
+        reward_mean = sum(rewards) / len(rewards)
+        self.rewards.append(reward_mean)
+        elapsed = time.monotonic() - self.started
+        metrics.update(
+            reward_mean=reward_mean,
+            reward_max=max(rewards),
+            staleness_mean=sum(stale) / len(stale),
+            staleness_max=float(max(stale)),
+            trainer_wait_s=wait_s,
+            trainer_idle_frac=self.wait_s / elapsed if elapsed > 0 else 0.0,
+            withheld_total=float(self.withheld),
+            groups=float(len(groups)),
+            **{f"reward_{k}": sum(v) / len(v) for k, v in parts.items()},
+        )
+        ids = [d.event.body.rollout_id for g in groups for d in g.deliveries]  # type: ignore[attr-defined]
+        seqs = [d.seq for g in groups for d in g.deliveries]
+        duration = time.perf_counter() - t0
+        metrics["step_s"] = duration
+        await self.publish_version(
+            step=step, rollout_ids=ids, rollout_seqs=seqs, metrics=metrics, tokens=tokens, duration_s=duration
+        )
+        # StepCompleted is durable: only now are the rollouts settled.
+        for g in groups:
+            for d in g.deliveries:
+                await d.ack()
+        self.trained.update(ids)
+        if self.s.checkpoint_every and self.version % self.s.checkpoint_every == 0:
+            await asyncio.to_thread(self.checkpoint)
+        structlog.contextvars.bind_contextvars(step=step)
+        self.log.info(
+            "step_completed",
+            step=step,
+            version=self.version,
+            reward=round(reward_mean, 4),
+            staleness=round(metrics["staleness_mean"], 2),
+            loss=round(metrics.get("loss", 0.0), 5),
+            step_s=round(duration, 3),
+        )
+
+    def checkpoint(self) -> None:
+        """Optimizer state at a version, written atomically (weights themselves are in the log)."""
+        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.ckpt_dir / f".optimizer.pt.{os.getpid()}.tmp"
+        torch.save({"version": self.version, "optimizer": self.optimizer.state_dict()}, tmp)
+        os.replace(tmp, self.ckpt_dir / "optimizer.pt")
+
+    def done(self) -> bool:
+        if self.version >= self.s.max_steps:
+            return True
+        target = self.s.stop_at_reward
+        return (
+            target is not None
+            and len(self.rewards) == self.rewards.maxlen
+            and sum(self.rewards) / len(self.rewards) >= target
+        )
+
+    # ---------------------------------------------------------------- loop
+
+    async def admit(self, consumer: Any, d: Delivery) -> None:
+        b = d.event.body
+        if isinstance(b, ev.RolloutWithheld):
+            await d.ack()  # our own output, on the same subjects
+            return
+        if not isinstance(b, ev.RolloutScored):
+            await consumer.dead_letter(d, "invalid", f"trainer expects RolloutScored, got {d.event.type}")
+            return
+        if not math.isfinite(b.reward) or b.group_size < 1 or not 0 <= b.sample_index < b.group_size:
+            await consumer.dead_letter(
+                d, "invalid", f"rollout {b.rollout_id}: reward/group fields out of range"
+            )
+            return
+        if b.rollout_id in self.trained:
+            await d.ack()  # redelivered after a crash: already trained, never twice
+            return
+        g = self.groups.setdefault(b.group_id, Group(b.group_id))
+        if any(x.event.body.rollout_id == b.rollout_id for x in g.deliveries):  # type: ignore[attr-defined]
+            await d.ack()  # the same rollout twice in the buffer (redelivery): keep one
+            return
+        g.deliveries.append(d)
+
+    def ready_groups(self) -> list[Group]:
+        return sorted(
+            (g for g in self.groups.values() if len(g.deliveries) >= g.size), key=lambda g: g.first_seq
+        )
+
+    async def run(self, stop: asyncio.Event) -> int:
+        torch.set_num_threads(self.s.threads)
+        set_deterministic(self.s.seed)
+        self.payloads = Payloads(await ObjectStorePayloads.for_run(self.bus.js, self.run_id))
+        structlog.contextvars.bind_contextvars(run_id=self.run_id, worker_id="trainer")
+        await self.recover()
+        consumer = await self.bus.consumer(
+            ConsumerSpec(
+                run_id=self.run_id,
+                durable="trainer",
+                filter_subjects=[subjects.rollout_subject(self.run_id)],
+                ack_wait=self.s.ack_wait_s,
+                max_deliver=5,
+                max_ack_pending=100_000,
+            )
+        )
+        self.started = time.monotonic()
+        last_step_end = time.monotonic()
+        last_beat = time.monotonic()
+        while not stop.is_set() and not self.done():
+            for d in await consumer.fetch(256, timeout=0.2):
+                await self.admit(consumer, d)
+            for g in self.ready_groups():
+                staleness = self.version - g.oldest_version()
+                if staleness > self.s.max_off_policy_steps:
+                    del self.groups[g.group_id]
+                    await self.withhold(
+                        g,
+                        "stale",
+                        f"staleness {staleness} > max_off_policy_steps {self.s.max_off_policy_steps}",
+                    )
+            ready = self.ready_groups()
+            if len(ready) >= self.s.batch_groups:
+                batch = ready[: self.s.batch_groups]
+                for g in batch:
+                    del self.groups[g.group_id]
+                wait = time.monotonic() - last_step_end
+                self.wait_s += wait
+                await self.step(batch, wait)
+                last_step_end = time.monotonic()
+            if time.monotonic() - last_beat > self.s.ack_wait_s / 3:
+                for g in self.groups.values():
+                    for d in g.deliveries:
+                        with contextlib.suppress(Exception):
+                            await d.in_progress()
+                last_beat = time.monotonic()
+        self.log.info(
+            "trainer_finished",
+            version=self.version,
+            withheld=self.withheld,
+            idle_frac=round(self.wait_s / max(time.monotonic() - self.started, 1e-9), 3),
+        )
+        return 0

@@ -1,0 +1,428 @@
+"""The local supervisor behind `jetrl run`.
+
+It starts the embedded nats-server (unless given a URL), creates the run's stream, records
+RunStarted, and launches every part as its own process: one producer per environment, N
+inference workers, the trainer and the recorder. It restarts a part that crashes, shows live
+progress from the log's StepCompleted events, and when the trainer finishes (or on Ctrl-C)
+stops the others cleanly, lets the recorder catch up, records RunFinished, and leaves a summary
+and a reward curve in the run directory. The parts never talk to the supervisor: it only reads
+the log and watches processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from jetrl import __version__
+from jetrl.bus import events as ev
+from jetrl.bus import subjects
+from jetrl.bus.client import Bus
+from jetrl.bus.log import get_logger
+from jetrl.bus.server import EmbeddedServer
+from jetrl.deploy.config import RunConfig
+from jetrl.store import queries
+from jetrl.store.db import open_store
+
+log = get_logger(__name__)
+
+MAX_RESTARTS = 10
+
+
+@dataclass
+class Part:
+    name: str
+    argv: list[str]
+    threads: int = 1
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    started_at: float = 0.0
+    finished: bool = False  # exited 0 on its own (the trainer, when the run is done)
+    history: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Progress:
+    steps: list[dict[str, float]] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+    last_print: float = 0.0
+    first_reward: float | None = None
+
+
+def _eid(run_id: str, what: str) -> str:
+    return uuid.uuid5(uuid.NAMESPACE_URL, f"{run_id}/{what}").hex
+
+
+class Supervisor:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        run_id: str,
+        run_dir: Path,
+        *,
+        nats_url: str | None = None,
+        db_url: str | None = None,
+        quiet: bool = False,
+    ) -> None:
+        self.cfg = cfg
+        self.run_id = subjects.check_token(run_id, "run id")
+        self.run_dir = run_dir
+        self.nats_url = nats_url
+        self.db_url = db_url or cfg.store.db or f"sqlite:///{(run_dir / 'store.db').resolve()}"
+        self.quiet = quiet
+        self.server: EmbeddedServer | None = None
+        self.parts: list[Part] = []
+        self.progress = Progress()
+        self.log = log.bind(run_id=run_id)
+
+    # ------------------------------------------------------------------ processes
+
+    def _settings_file(self, name: str, settings: Any) -> str:
+        path = self.run_dir / "settings" / f"{name}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(settings.model_dump_json(indent=2))
+        return f"@{path}"
+
+    def plan(self, url: str) -> list[Part]:
+        py = sys.executable
+        parts = []
+        for k, ps in enumerate(self.cfg.producer_settings()):
+            parts.append(
+                Part(
+                    f"env-{ps.tenant}-{ps.env}-{k}",
+                    [
+                        py,
+                        "-m",
+                        "jetrl.producers",
+                        "--nats-url",
+                        url,
+                        "--run",
+                        self.run_id,
+                        "--settings",
+                        self._settings_file(f"env-{k}", ps),
+                    ],
+                )
+            )
+        inf = self._settings_file("inference", self.cfg.inference_settings())
+        for i in range(self.cfg.inference.workers):
+            parts.append(
+                Part(
+                    f"inference-{i}",
+                    [
+                        py,
+                        "-m",
+                        "jetrl.consumers.inference",
+                        "--nats-url",
+                        url,
+                        "--run",
+                        self.run_id,
+                        "--worker-id",
+                        f"inf-{i}",
+                        "--settings",
+                        inf,
+                    ],
+                    threads=self.cfg.inference.threads,
+                )
+            )
+        parts.append(
+            Part(
+                "trainer",
+                [
+                    py,
+                    "-m",
+                    "jetrl.consumers.trainer",
+                    "--nats-url",
+                    url,
+                    "--run",
+                    self.run_id,
+                    "--run-dir",
+                    str(self.run_dir),
+                    "--settings",
+                    self._settings_file("trainer", self.cfg.trainer_settings()),
+                ],
+                threads=self.cfg.trainer.threads,
+            )
+        )
+        if self.cfg.store.recorder:
+            parts.append(
+                Part(
+                    "recorder",
+                    [
+                        py,
+                        "-m",
+                        "jetrl.consumers.recorder",
+                        "--nats-url",
+                        url,
+                        "--run",
+                        self.run_id,
+                        "--db",
+                        self.db_url,
+                    ],
+                )
+            )
+        return parts
+
+    def start(self, part: Part) -> None:
+        logs = self.run_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, OMP_NUM_THREADS=str(part.threads), JETRL_LOG_JSON="1")
+        with (logs / f"{part.name}.log").open("ab") as out:
+            part.proc = subprocess.Popen(
+                part.argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        part.started_at = time.monotonic()
+        self.log.info("part_started", part=part.name, pid=part.proc.pid, restarts=part.restarts)
+
+    def check_parts(self) -> Part | None:
+        """Restart crashed parts; return the trainer once it has finished on its own."""
+        for p in self.parts:
+            if p.proc is None or p.finished:
+                continue
+            code = p.proc.poll()
+            if code is None:
+                continue
+            if code == 0 and p.name == "trainer":
+                p.finished = True
+                return p
+            now = time.monotonic()
+            p.history = [t for t in p.history if now - t < 300] + [now]
+            if len(p.history) > MAX_RESTARTS:
+                raise RuntimeError(
+                    f"{p.name} crashed {len(p.history)} times in 5 minutes; see "
+                    f"{self.run_dir / 'logs' / (p.name + '.log')}"
+                )
+            p.restarts += 1
+            self.log.warning("part_crashed", part=p.name, exit_code=code, restarts=p.restarts)
+            self.say(f"  ! {p.name} exited with {code}; restarting (restart {p.restarts})")
+            self.start(p)
+        return None
+
+    def stop_parts(self, names: set[str] | None = None, timeout: float = 15.0) -> None:
+        chosen = [
+            p for p in self.parts if p.proc and p.proc.poll() is None and (names is None or p.name in names)
+        ]
+        for p in chosen:
+            with contextlib.suppress(ProcessLookupError):
+                p.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+        deadline = time.monotonic() + timeout
+        for p in chosen:
+            try:
+                p.proc.wait(max(0.1, deadline - time.monotonic()))  # type: ignore[union-attr]
+            except subprocess.TimeoutExpired:
+                self.log.warning("part_killed", part=p.name)
+                p.proc.kill()  # type: ignore[union-attr]
+                p.proc.wait()  # type: ignore[union-attr]
+
+    # ------------------------------------------------------------------ progress
+
+    def say(self, text: str) -> None:
+        if not self.quiet:
+            print(text, flush=True)
+
+    async def follow_steps(self, bus: Bus) -> None:
+        async for item in bus.tail(self.run_id, filter_subject=subjects.step_subject(self.run_id)):
+            b = item.event.body if item.event else None
+            if not isinstance(b, ev.StepCompleted):
+                continue
+            m = dict(b.metrics, step=b.step, tokens=b.tokens, t=time.monotonic() - self.progress.started)
+            self.progress.steps.append(m)
+            if self.progress.first_reward is None:
+                self.progress.first_reward = m.get("reward_mean", 0.0)
+            now = time.monotonic()
+            if now - self.progress.last_print >= 2.0 or b.step == self.cfg.trainer.max_steps - 1:
+                self.progress.last_print = now
+                self.say(self.progress_line())
+
+    def progress_line(self) -> str:
+        steps = self.progress.steps
+        m = steps[-1]
+        recent = steps[-10:]
+        reward = sum(s.get("reward_mean", 0.0) for s in recent) / len(recent)
+        exact = sum(s.get("reward_exact", 0.0) for s in recent) / len(recent)
+        span = recent[-1]["t"] - recent[0]["t"] if len(recent) > 1 else 0.0
+        rate = (len(recent) - 1) / span * 60 if span > 0 else 0.0
+        toks = sum(s["tokens"] for s in recent[1:]) / span if span > 0 else 0.0
+        return (
+            f"step {int(m['step']):>4} | reward {reward:.3f} (exact {exact:.2f}) | staleness "
+            f"{m.get('staleness_mean', 0):.2f} | {rate:5.1f} steps/min | {toks:6.0f} tok/s | trainer idle "
+            f"{100 * m.get('trainer_idle_frac', 0):.0f}% | withheld {int(m.get('withheld_total', 0))} | "
+            f"{m['t']:.0f}s"
+        )
+
+    # ------------------------------------------------------------------ the run
+
+    async def run(self) -> int:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.json").write_text(self.cfg.model_dump_json(indent=2))
+        url = self.nats_url
+        if url is None:
+            self.server = EmbeddedServer(self.run_dir / "nats").start()
+            url = self.server.url
+        bus = await Bus.connect(url, name="supervisor")
+        status, reason = "failed", ""
+        follower: asyncio.Task[None] | None = None
+        try:
+            await bus.ensure_run(self.run_id, self.cfg.bus.limits())
+            await bus.publish(
+                ev.new_event(
+                    ev.RunStarted(
+                        config=self.cfg.model_dump(mode="json"),
+                        code_version=__version__,
+                        host=socket.gethostname(),
+                        library_versions=_versions(),
+                    ),
+                    run_id=self.run_id,
+                    event_id=_eid(self.run_id, "started"),
+                )
+            )
+            self.say(
+                f"jetrl run {self.run_id}: {len(self.cfg.envs)} env(s), "
+                f"{self.cfg.inference.workers} inference worker(s), model {self.cfg.model.name}, "
+                f"max_off_policy_steps {self.cfg.trainer.max_off_policy_steps}; "
+                f"run dir {self.run_dir}; nats {url}"
+            )
+            self.parts = self.plan(url)
+            for p in self.parts:
+                self.start(p)
+            follower = asyncio.create_task(self.follow_steps(bus))
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
+            budget = self.cfg.run.max_wall_s
+            t_start = time.monotonic()
+            while not stop.is_set():
+                if self.check_parts() is not None:
+                    status = "completed"
+                    break
+                if budget is not None and time.monotonic() - t_start > budget:
+                    status, reason = "completed", f"time budget of {budget:.0f}s reached"
+                    self.say(f"time budget of {budget:.0f}s reached")
+                    break
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=0.5)
+            else:
+                status, reason = "cancelled", "interrupted"
+                self.say("stopping (Ctrl-C)...")
+        except Exception as exc:
+            reason = repr(exc)
+            self.say(f"run failed: {exc}")
+            raise
+        finally:
+            self.stop_parts({p.name for p in self.parts if p.name != "recorder"})
+            await asyncio.sleep(0.5)  # the follower sees the last steps
+            if follower:
+                follower.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await follower
+            steps = len(self.progress.steps)
+            with contextlib.suppress(Exception):
+                await bus.publish(
+                    ev.new_event(
+                        ev.RunFinished(status=status, steps=steps, reason=reason),  # type: ignore[arg-type]
+                        run_id=self.run_id,
+                        event_id=_eid(self.run_id, "finished"),
+                    )
+                )
+            head = await bus.last_seq(self.run_id)
+            await self.wait_for_recorder(head)
+            self.stop_parts()
+            await bus.close()
+            if self.server:
+                self.server.stop()
+        self.finish(status)
+        return 0 if status == "completed" else 1
+
+    async def wait_for_recorder(self, head: int, timeout: float = 60.0) -> None:
+        if not self.cfg.store.recorder:
+            return
+        deadline = time.monotonic() + timeout
+        store = open_store(self.db_url)
+        try:
+            while time.monotonic() < deadline:
+                if queries.recorded_seq(store, self.run_id) >= head:
+                    return
+                await asyncio.sleep(0.25)
+            self.say(f"  ! the recorder did not reach sequence {head} in {timeout:.0f}s")
+        finally:
+            store.close()
+
+    def finish(self, status: str) -> None:
+        steps = self.progress.steps
+        summary: dict[str, Any] = {"run_id": self.run_id, "status": status, "steps": len(steps)}
+        if steps:
+            last = steps[-10:]
+            summary.update(
+                reward_first=round(self.progress.first_reward or 0.0, 4),
+                reward_last10=round(sum(s.get("reward_mean", 0.0) for s in last) / len(last), 4),
+                exact_last10=round(sum(s.get("reward_exact", 0.0) for s in last) / len(last), 4),
+                wall_s=round(steps[-1]["t"], 1),
+                steps_per_min=round(len(steps) / steps[-1]["t"] * 60, 1) if steps[-1]["t"] > 0 else 0.0,
+                staleness_mean=round(sum(s.get("staleness_mean", 0.0) for s in steps) / len(steps), 3),
+                trainer_idle_frac=round(steps[-1].get("trainer_idle_frac", 0.0), 3),
+                withheld=int(steps[-1].get("withheld_total", 0)),
+                restarts={p.name: p.restarts for p in self.parts if p.restarts},
+            )
+        if self.cfg.store.recorder:
+            store = open_store(self.db_url)
+            try:
+                summary["store_steps"] = len(queries.step_history(store, self.run_id))
+                summary["db"] = self.db_url
+            finally:
+                store.close()
+        if steps:
+            summary["reward_curve"] = str(plot_rewards(steps, self.run_dir / "reward.png", self.run_id))
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        self.say("\nsummary")
+        for k, v in summary.items():
+            self.say(f"  {k:<18} {v}")
+
+
+def plot_rewards(steps: list[dict[str, float]], path: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [s["step"] for s in steps]
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    ax.plot(x, [s.get("reward_mean", 0.0) for s in steps], lw=0.8, alpha=0.5, label="mean reward (step)")
+    k = 10
+    smooth = [
+        sum(s.get("reward_mean", 0.0) for s in steps[max(0, i - k + 1) : i + 1]) / min(k, i + 1)
+        for i in range(len(steps))
+    ]
+    ax.plot(x, smooth, lw=2, label=f"mean reward ({k}-step average)")
+    if any("reward_exact" in s for s in steps):
+        ax.plot(x, [s.get("reward_exact", 0.0) for s in steps], lw=0.8, alpha=0.6, label="exact answers")
+    ax.set_xlabel("trainer step")
+    ax.set_ylabel("reward")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title(f"jetrl run {title}")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("torch", "torchtitan", "nats-py", "msgspec", "sqlalchemy"):
+        with contextlib.suppress(PackageNotFoundError):
+            out[pkg] = version(pkg)
+    return out

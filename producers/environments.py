@@ -1,0 +1,144 @@
+"""Environments: tasks out, scores in.
+
+An :class:`Environment` makes tasks (a prompt plus whatever it needs to score the answer, kept
+in ``info`` so that scoring needs no state beyond the TaskSubmitted event) and scores
+completions.
+
+The built-ins are toy tasks with dense, exact rewards that a randomly initialised tiny MoE can
+learn by RL alone on a CPU in minutes.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from jetrl.policy.tokenizer import CharTokenizer
+
+
+@dataclass(frozen=True)
+class Task:
+    prompt_text: str
+    prompt_tokens: list[int]
+    max_tokens: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Score:
+    reward: float
+    parts: dict[str, float] = field(default_factory=dict)
+
+
+class Environment:
+    """Base class. Subclasses set ``name`` and implement :meth:`make_task` and :meth:`score`."""
+
+    name: ClassVar[str] = "env"
+    max_reward: ClassVar[float] = 1.0
+
+    def __init__(self, tokenizer: CharTokenizer | None = None, **params: Any) -> None:
+        self.tok = tokenizer or CharTokenizer()
+        self.params = params
+
+    def make_task(self, rng: random.Random) -> Task:
+        raise NotImplementedError
+
+    def score(self, info: dict[str, Any], completion_tokens: list[int]) -> Score:
+        raise NotImplementedError
+
+    def chance_reward(self) -> float:
+        """Expected reward of a uniformly random policy (for progress reports)."""
+        return 0.0
+
+
+def _positional_reward(target: list[int], completion: list[int]) -> Score:
+    """Share of target positions (answer tokens, then <eos>) the completion got right: dense,
+    exact, 1.0 only for the exact answer followed by <eos>."""
+    hits = sum(1 for i, t in enumerate(target) if i < len(completion) and completion[i] == t)
+    exact = float(completion[: len(target)] == target)
+    return Score(reward=hits / len(target), parts={"positions": hits / len(target), "exact": exact})
+
+
+class _StringTask(Environment):
+    """Shared by reverse and sort: a short string over a small alphabet, then ``=``."""
+
+    def __init__(
+        self,
+        tokenizer: CharTokenizer | None = None,
+        *,
+        alphabet: str = "abcd",
+        min_len: int = 2,
+        max_len: int = 4,
+        **params: Any,
+    ) -> None:
+        super().__init__(tokenizer, **params)
+        if not 1 <= min_len <= max_len:
+            raise ValueError("need 1 <= min_len <= max_len")
+        self.alphabet, self.min_len, self.max_len = alphabet, min_len, max_len
+
+    def answer(self, s: str) -> str:
+        raise NotImplementedError
+
+    def make_task(self, rng: random.Random) -> Task:
+        n = rng.randint(self.min_len, self.max_len)
+        s = "".join(rng.choice(self.alphabet) for _ in range(n))
+        prompt = f"{s}="
+        return Task(
+            prompt, self.tok.encode(prompt), max_tokens=self.max_len + 1, info={"answer": self.answer(s)}
+        )
+
+    def score(self, info: dict[str, Any], completion_tokens: list[int]) -> Score:
+        target = self.tok.encode(info["answer"], bos=False, eos=True)
+        return _positional_reward(target, completion_tokens)
+
+    def chance_reward(self) -> float:
+        return 1.0 / self.tok.vocab_size
+
+
+class ReverseEnv(_StringTask):
+    name = "reverse"
+
+    def answer(self, s: str) -> str:
+        return s[::-1]
+
+
+class SortEnv(_StringTask):
+    name = "sort"
+
+    def answer(self, s: str) -> str:
+        return "".join(sorted(s))
+
+
+class ModSumEnv(Environment):
+    """``a+b=`` → ``(a+b) mod m`` as one digit: a contextual bandit of m² prompts."""
+
+    name = "modsum"
+
+    def __init__(self, tokenizer: CharTokenizer | None = None, *, modulus: int = 5, **params: Any) -> None:
+        super().__init__(tokenizer, **params)
+        if not 2 <= modulus <= 10:
+            raise ValueError("modulus must be in 2..10 (one digit answers)")
+        self.m = modulus
+
+    def make_task(self, rng: random.Random) -> Task:
+        a, b = rng.randrange(self.m), rng.randrange(self.m)
+        prompt = f"{a}+{b}="
+        return Task(prompt, self.tok.encode(prompt), max_tokens=2, info={"answer": str((a + b) % self.m)})
+
+    def score(self, info: dict[str, Any], completion_tokens: list[int]) -> Score:
+        return _positional_reward(self.tok.encode(info["answer"], bos=False, eos=True), completion_tokens)
+
+    def chance_reward(self) -> float:
+        return 1.0 / self.tok.vocab_size
+
+
+ENVIRONMENTS: dict[str, type[Environment]] = {cls.name: cls for cls in (ReverseEnv, SortEnv, ModSumEnv)}
+
+
+def make_environment(name: str, tokenizer: CharTokenizer | None = None, **params: Any) -> Environment:
+    try:
+        cls = ENVIRONMENTS[name]
+    except KeyError:
+        raise KeyError(f"unknown environment {name!r}; built in: {sorted(ENVIRONMENTS)}") from None
+    return cls(tokenizer, **params)

@@ -1,0 +1,250 @@
+"""An environment producer: hands out tasks and scores the completions that come back.
+
+Tasks out: it keeps at most ``groups_per_step * (1 + max_off_policy_steps)`` groups of its
+environment outstanding (submitted, neither trained nor withheld), and asks each new task for a
+policy at least as new as the trainer's latest version. With ``max_off_policy_steps = 0`` that is
+the synchronous on-policy loop; above, inference runs ahead of the trainer by that many steps.
+
+Scores in: a durable consumer on the environment's generation subject scores each
+GenerationCompleted into a RolloutScored (event id derived from the generation's, so a
+redelivered generation is scored once). An optional simulated latency (lognormal) stands in for
+slow environments such as sandboxes and tool calls; scoring runs concurrently.
+
+Restart: what was submitted, trained and withheld is re-read from the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import random
+import uuid
+from typing import Any
+
+import numpy as np
+import structlog
+from pydantic import BaseModel, Field
+
+from jetrl.bus import events as ev
+from jetrl.bus import subjects
+from jetrl.bus.client import Bus, ConsumerSpec, Delivery, Reject
+from jetrl.bus.log import get_logger
+from jetrl.bus.payloads import ObjectStorePayloads, Payloads
+from jetrl.policy.tokenizer import CharTokenizer
+from jetrl.producers.environments import Environment, make_environment
+
+
+class ProducerSettings(BaseModel):
+    env: str = "modsum"
+    env_params: dict[str, Any] = Field(default_factory=dict)
+    tenant: str = "default"
+    group_size: int = 16
+    groups_per_step: int = 8  # this environment's share of a trainer batch
+    max_off_policy_steps: int = 1
+    temperature: float = 1.0
+    seed: int = 0
+    latency_median_s: float = 0.0  # simulated environment latency per rollout (0 = none)
+    latency_sigma: float = 1.0  # lognormal shape: sigma 1.3 puts ~1% of episodes past 20x the median
+    max_concurrent_scoring: int = 512
+
+
+def group_of(rollout_id: str) -> str:
+    return rollout_id.rsplit("-", 1)[0]
+
+
+class EnvProducer:
+    def __init__(self, bus: Bus, run_id: str, settings: ProducerSettings) -> None:
+        self.bus = bus
+        self.run_id = run_id
+        self.s = settings
+        subjects.check_token(settings.tenant, "tenant")
+        subjects.check_token(settings.env, "env")
+        self.env: Environment = make_environment(settings.env, CharTokenizer(), **settings.env_params)
+        self.prefix = f"{settings.env}.{settings.tenant}."
+        self.tasks: dict[str, dict[str, Any]] = {}  # task_id -> info (for scoring)
+        self.submitted = 0
+        self.resolved: set[str] = set()  # group ids trained or withheld
+        self.trainer_version = 0
+        self.changed = asyncio.Event()
+        self.payloads: Payloads | None = None
+        self.scored = 0
+        self.latency_rng = random.Random(settings.seed + 17)
+        self.log = get_logger(__name__, run_id=run_id, tenant=settings.tenant, env=settings.env)
+
+    @property
+    def window(self) -> int:
+        return self.s.groups_per_step * (1 + self.s.max_off_policy_steps)
+
+    @property
+    def outstanding(self) -> int:
+        return self.submitted - len(self.resolved)
+
+    # ---------------------------------------------------------------- log watchers
+
+    async def catch_up(self) -> None:
+        """Tasks this producer submitted before a restart (their answers are needed to score)."""
+        head = await self.bus.last_seq(self.run_id)
+        if not head:
+            return
+        subj = subjects.task_subject(self.run_id, self.s.tenant, self.s.env)
+        async for item in self.bus.tail(self.run_id, filter_subject=subj, idle_timeout=1.0):
+            b = item.event.body if item.event else None
+            if isinstance(b, ev.TaskSubmitted):
+                self.tasks[b.task_id] = b.info
+                self.submitted = max(self.submitted, int(b.task_id.rsplit(".", 1)[1]) + 1)
+            if item.seq >= head:
+                break
+
+    async def watch_steps(self) -> None:
+        async for item in self.bus.tail(self.run_id, filter_subject=subjects.step_subject(self.run_id)):
+            b = item.event.body if item.event else None
+            if isinstance(b, ev.StepCompleted):
+                self.trainer_version = max(self.trainer_version, b.policy_version)
+                for rid in b.rollout_ids:
+                    g = group_of(rid)
+                    if g.startswith(self.prefix):
+                        self.resolved.add(g)
+                self.changed.set()
+
+    async def watch_withheld(self) -> None:
+        subj = subjects.rollout_subject(self.run_id, self.s.tenant, self.s.env)
+        async for item in self.bus.tail(self.run_id, filter_subject=subj):
+            b = item.event.body if item.event else None
+            if isinstance(b, ev.RolloutWithheld) and b.group_id.startswith(self.prefix):
+                self.resolved.add(b.group_id)
+                self.changed.set()
+
+    # ---------------------------------------------------------------- tasks out
+
+    async def submit_loop(self, stop: asyncio.Event) -> None:
+        rng = random.Random(self.s.seed * 7919 + self.submitted)
+        while not stop.is_set():
+            while self.outstanding < self.window and not stop.is_set():
+                n = self.submitted
+                task = self.env.make_task(rng)
+                task_id = f"{self.prefix}{n}"
+                body = ev.TaskSubmitted(
+                    task_id=task_id,
+                    env=self.s.env,
+                    group_size=self.s.group_size,
+                    prompt_tokens=task.prompt_tokens,
+                    prompt_text=task.prompt_text,
+                    max_tokens=task.max_tokens,
+                    info=task.info,
+                    min_policy_version=self.trainer_version,
+                    temperature=self.s.temperature,
+                )
+                self.tasks[task_id] = task.info
+                await self.bus.publish(
+                    ev.new_event(
+                        body,
+                        run_id=self.run_id,
+                        tenant=self.s.tenant,
+                        event_id=uuid.uuid5(uuid.NAMESPACE_URL, f"{self.run_id}/task/{task_id}").hex,
+                    )
+                )
+                self.submitted += 1
+            self.changed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), timeout=1.0)
+
+    # ---------------------------------------------------------------- scores in
+
+    def latency(self) -> float:
+        if self.s.latency_median_s <= 0:
+            return 0.0
+        return self.latency_rng.lognormvariate(math.log(self.s.latency_median_s), self.s.latency_sigma)
+
+    async def score(self, d: Delivery) -> None:
+        g = d.event.body
+        if not isinstance(g, ev.GenerationCompleted):
+            raise Reject(f"scorer expects GenerationCompleted, got {d.event.type}", reason="invalid")
+        info = self.tasks.get(g.task_id)
+        if info is None:
+            raise Reject(f"generation for unknown task {g.task_id!r}", reason="invalid")
+        assert self.payloads is not None
+        completion = (await self.payloads.get_array(g.completion_tokens)).astype(np.int64).tolist()
+        delay = self.latency()
+        if delay:
+            async with d.keep_alive(every=10.0):
+                await asyncio.sleep(delay)
+        s = self.env.score(info, completion)
+        body = ev.RolloutScored(
+            rollout_id=g.generation_id,
+            generation_event_id=d.event.event_id,
+            task_id=g.task_id,
+            env=g.env,
+            group_id=g.group_id,
+            sample_index=g.sample_index,
+            group_size=g.group_size,
+            reward=float(s.reward),
+            reward_parts=s.parts,
+            prompt_tokens=g.prompt_tokens,
+            completion_tokens=g.completion_tokens,
+            logprobs=g.logprobs,
+            routing_trace=g.routing_trace,
+            policy_version_start=g.policy_version_start,
+            policy_version_end=g.policy_version_end,
+        )
+        await self.bus.publish(
+            ev.new_event(
+                body,
+                run_id=self.run_id,
+                tenant=d.event.tenant,
+                causation_id=d.event.event_id,
+                event_id=uuid.uuid5(uuid.NAMESPACE_URL, f"{self.run_id}/scored/{d.event.event_id}").hex,
+            )
+        )
+        self.scored += 1
+
+    async def score_loop(self, stop: asyncio.Event) -> None:
+        consumer = await self.bus.consumer(
+            ConsumerSpec(
+                run_id=self.run_id,
+                durable=f"scorer-{self.s.tenant}-{self.s.env}",
+                filter_subjects=[subjects.generation_subject(self.run_id, self.s.tenant, self.s.env)],
+                ack_wait=30.0,
+                max_deliver=5,
+                max_ack_pending=100_000,
+            )
+        )
+        slots = asyncio.Semaphore(self.s.max_concurrent_scoring)
+        inflight: set[asyncio.Task[None]] = set()
+
+        async def one(d: Delivery) -> None:
+            try:
+                await self.score(d)
+            except Exception as exc:
+                await consumer.settle_failure(d, exc)
+            else:
+                await d.ack()
+            finally:
+                slots.release()
+
+        while not stop.is_set():
+            for d in await consumer.fetch(128, timeout=0.3):
+                await slots.acquire()
+                t = asyncio.create_task(one(d))
+                inflight.add(t)
+                t.add_done_callback(inflight.discard)
+        if inflight:
+            await asyncio.wait(inflight, timeout=10)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self.payloads = Payloads(await ObjectStorePayloads.for_run(self.bus.js, self.run_id))
+        structlog.contextvars.bind_contextvars(
+            run_id=self.run_id, tenant=self.s.tenant, worker_id=f"env-{self.s.env}"
+        )
+        await self.catch_up()
+        watchers = [asyncio.create_task(self.watch_steps()), asyncio.create_task(self.watch_withheld())]
+        self.log.info("producer_started", submitted=self.submitted, window=self.window)
+        try:
+            await asyncio.gather(self.submit_loop(stop), self.score_loop(stop))
+        finally:
+            for w in watchers:
+                w.cancel()
+            for w in watchers:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await w
+            self.log.info("producer_stopped", submitted=self.submitted, scored=self.scored)

@@ -1,0 +1,84 @@
+"""Run configs: TOML, overrides, validation, and the per-process settings derived from them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from jetrl.deploy.config import ConfigError, apply_overrides, load_config
+from jetrl.deploy.run_cmd import split_overrides
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_demo_config_loads_and_derives_settings() -> None:
+    cfg = load_config(ROOT / "configs" / "demo.toml")
+    t = cfg.trainer_settings()
+    assert t.model == cfg.model.name and t.seed == cfg.run.seed
+    assert t.max_off_policy_steps == cfg.trainer.max_off_policy_steps
+    (p,) = cfg.producer_settings()
+    assert p.groups_per_step == cfg.trainer.batch_groups
+    assert p.max_off_policy_steps == cfg.trainer.max_off_policy_steps
+    assert cfg.inference_settings().precision == "bf16"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_every_shipped_config_is_valid(path: Path) -> None:
+    load_config(path)
+
+
+def test_overrides_parse_toml_literals_and_list_indices() -> None:
+    data = {"trainer": {"lr": 1.0}, "envs": [{"name": "modsum"}]}
+    apply_overrides(
+        data,
+        [
+            "--trainer.lr",
+            "0.01",
+            "--envs.0.group_size=8",
+            "--run.name",
+            "abc",
+            "--store.recorder",
+            "false",
+            "--envs.0.params",
+            "{ modulus = 7 }",
+        ],
+    )
+    assert data == {
+        "trainer": {"lr": 0.01},
+        "envs": [{"name": "modsum", "group_size": 8, "params": {"modulus": 7}}],
+        "run": {"name": "abc"},
+        "store": {"recorder": False},
+    }
+
+
+def test_bad_configs_get_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[trainer]\nlr = \n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="lrr"):
+        load_config(None, ["--trainer.lrr", "1"])  # unknown keys are refused, not ignored
+    with pytest.raises(ConfigError, match="batch_groups"):
+        load_config(None, ["--trainer.batch_groups", "0"])
+    with pytest.raises(ConfigError, match="subject token"):
+        load_config(None, ["--envs.0.tenant", "a.b"])
+    with pytest.raises(ConfigError, match="needs a value"):
+        load_config(None, ["--trainer.lr"])
+
+
+def test_env_shares_split_the_batch() -> None:
+    cfg = load_config(None, ["--trainer.batch_groups", "8"])
+    cfg.envs.append(cfg.envs[0].model_copy(update={"name": "sort", "share": 3.0}))
+    groups = [p.groups_per_step for p in cfg.producer_settings()]
+    assert groups == [2, 6]
+
+
+def test_cli_splits_overrides_from_flags() -> None:
+    own, over = split_overrides(
+        ["run", "c.toml", "--run-id", "x", "--trainer.lr", "0.1", "--envs.0.name=sort"]
+    )
+    assert own == ["run", "c.toml", "--run-id", "x"]
+    assert over == ["--trainer.lr", "0.1", "--envs.0.name=sort"]

@@ -1,0 +1,114 @@
+"""A short `jetrl run`: every part its own process, a real nats-server, SQLite, then the
+invariants checked from the log and the store."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from jetrl.bus import events as ev
+from jetrl.bus.client import Bus
+from jetrl.bus.server import EmbeddedServer
+from jetrl.deploy.config import load_config
+from jetrl.deploy.supervisor import Supervisor
+from jetrl.store import queries
+from jetrl.store.db import open_store
+
+pytestmark = pytest.mark.slow
+
+MAX_OFF = 1
+STEPS = 6
+
+
+async def read_log(url: str, run_id: str) -> list[ev.Event]:
+    bus = await Bus.connect(url)
+    head = await bus.last_seq(run_id)
+    out = []
+    async for item in bus.tail(run_id, idle_timeout=3.0):
+        assert item.event is not None, f"undecodable event at seq {item.seq}: {item.error}"
+        out.append(item.event)
+        if item.seq >= head:
+            break
+    await bus.close()
+    return out
+
+
+async def test_short_async_run_keeps_the_invariants(nats_server: EmbeddedServer, tmp_path: Path) -> None:
+    cfg = load_config(
+        None,
+        [
+            "--trainer.max_steps",
+            str(STEPS),
+            "--trainer.batch_groups",
+            "2",
+            "--trainer.max_off_policy_steps",
+            str(MAX_OFF),
+            "--trainer.checkpoint_every",
+            "2",
+            "--inference.workers",
+            "2",
+            "--inference.max_batch_tasks",
+            "2",
+            "--envs.0.name",
+            "reverse",
+            "--envs.0.group_size",
+            "4",
+            "--bus.max_gib",
+            "0.25",
+            "--bus.payload_max_gib",
+            "0.5",
+        ],
+    )
+    run_id = "e2e1"
+    sup = Supervisor(cfg, run_id, tmp_path / run_id, nats_url=nats_server.url, quiet=True)
+    assert await sup.run() == 0
+
+    log = await read_log(nats_server.url, run_id)
+    by_type: dict[str, list[ev.Event]] = {}
+    for e in log:
+        by_type.setdefault(e.type, []).append(e)
+
+    # Versions are monotone, one per step, each with a checksum and readable weights.
+    versions = [e.body.version for e in by_type["PolicyVersionPublished"]]  # type: ignore[attr-defined]
+    assert versions == list(range(STEPS + 1))
+    assert all(len(e.body.weights_checksum) == 64 for e in by_type["PolicyVersionPublished"])  # type: ignore[attr-defined]
+    steps = [e.body for e in by_type["StepCompleted"]]
+    assert [s.step for s in steps] == list(range(STEPS))  # type: ignore[attr-defined]
+    assert [s.policy_version for s in steps] == list(range(1, STEPS + 1))  # type: ignore[attr-defined]
+
+    # Every trained rollout was scored exactly once and trained in exactly one step.
+    scored = Counter(e.body.rollout_id for e in by_type["RolloutScored"])  # type: ignore[attr-defined]
+    assert all(n == 1 for n in scored.values()), "a rollout was scored twice"
+    trained = Counter(rid for s in steps for rid in s.rollout_ids)  # type: ignore[attr-defined]
+    assert all(n == 1 for n in trained.values()), "a rollout was trained twice"
+    assert set(trained) <= set(scored)
+    withheld = {e.body.rollout_id for e in by_type.get("RolloutWithheld", [])}  # type: ignore[attr-defined]
+    assert not (withheld & set(trained)), "a withheld rollout was trained"
+    assert sum(len(s.rollout_ids) for s in steps) == STEPS * 2 * 4  # type: ignore[attr-defined]
+
+    # Staleness is within the bound for every trained rollout.
+    start_version = {e.body.rollout_id: e.body.policy_version_start for e in by_type["RolloutScored"]}  # type: ignore[attr-defined]
+    for s in steps:
+        for rid in s.rollout_ids:  # type: ignore[attr-defined]
+            assert 0 <= s.step - start_version[rid] <= MAX_OFF  # type: ignore[attr-defined]
+
+    # Workers loaded the weights they announced; the run is framed by RunStarted/RunFinished.
+    assert by_type["WeightsLoaded"], "no worker reported loading weights"
+    assert by_type["RunStarted"][0].body.config["trainer"]["max_steps"] == STEPS  # type: ignore[attr-defined]
+    assert by_type["RunFinished"][-1].body.status == "completed"  # type: ignore[attr-defined]
+    assert "DeadLettered" not in by_type
+
+    # The store holds every step, and the run directory its artefacts.
+    store = open_store(sup.db_url)
+    try:
+        history = queries.step_history(store, run_id)
+        assert [h.step for h in history] == list(range(STEPS))
+        assert all(h.num_rollouts == 8 for h in history)
+    finally:
+        store.close()
+    run_dir = tmp_path / run_id
+    assert (run_dir / "reward.png").stat().st_size > 1000
+    assert (run_dir / "summary.json").exists()
+    assert (run_dir / "trainer" / "optimizer.pt").exists()
