@@ -27,7 +27,17 @@ from jetrl.deploy.config import load_config
 from jetrl.deploy.supervisor import Supervisor
 
 
-def run_mode(url: str, root: Path, k: int, seconds: float, latency: float, sigma: float) -> dict[str, float]:
+def run_mode(
+    url: str,
+    root: Path,
+    k: int,
+    seconds: float,
+    latency: float,
+    sigma: float,
+    workers: int,
+    model: list[str],
+    inflight: int | None = None,
+) -> dict[str, float]:
     cfg = load_config(
         None,
         [
@@ -93,13 +103,33 @@ def main() -> None:
     ap.add_argument("--latency", type=float, default=0.05, help="median environment latency (s)")
     ap.add_argument("--sigma", type=float, default=1.3, help="lognormal sigma of the latency")
     ap.add_argument("--modes", default="0,1,2,4", help="max_off_policy_steps values; 0 is the baseline")
+    ap.add_argument("--workers", type=int, default=1, help="inference workers")
+    ap.add_argument(
+        "--oversubscribe",
+        type=int,
+        default=None,
+        help="groups in flight = this x (1 + k) x batch groups (default: 1, the producer's rule)",
+    )
+    ap.add_argument("--model", default="tiny-moe")
+    ap.add_argument("--model-overrides", default="{}", help='TOML inline table, e.g. "{ dim = 256 }"')
     args = ap.parse_args()
     configure(level="warning")
     modes = [int(m) for m in args.modes.split(",")]
     results: dict[int, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp, EmbeddedServer(Path(tmp) / "nats") as srv:
         for k in modes:
-            results[k] = run_mode(srv.url, Path(tmp), k, args.seconds, args.latency, args.sigma)
+            model = ["--model.name", args.model, "--model.overrides", args.model_overrides]
+            results[k] = run_mode(
+                srv.url,
+                Path(tmp),
+                k,
+                args.seconds,
+                args.latency,
+                args.sigma,
+                args.workers,
+                model,
+                args.oversubscribe,
+            )
             r = results[k]
             print(
                 f"max_off_policy_steps={k}: {r['steps']:.0f} steps, {r['steps_per_min']:.1f} steps/min, "

@@ -518,9 +518,7 @@ class PullConsumer:
         often) are dead-lettered and acked here and never returned. Returns [] on timeout and
         while the connection is down (the caller just loops)."""
         try:
-            msgs = await self.sub.fetch(batch, timeout=timeout)
-        except (TimeoutError, nats.errors.TimeoutError):
-            return []
+            msgs = await self._pull(batch, timeout)
         except _RETRYABLE as exc:
             self.log.warning("fetch_retry", error=repr(exc))
             await asyncio.sleep(0.2)
@@ -531,6 +529,24 @@ class PullConsumer:
             if d is not None:
                 out.append(d)
         return out
+
+    async def _pull(self, batch: int, timeout: float) -> list[Msg]:
+        """Wait up to ``timeout`` for the first message, then take what is already there.
+
+        nats-py's ``fetch(n)`` keeps waiting for the whole batch once one message has come, so
+        a trickle of events would each wait the full timeout: a latency floor for every
+        consumer (it kept the trainer idle ~0.2 s per step)."""
+        try:
+            first = await self.sub.fetch(1, timeout=timeout)
+        except (TimeoutError, nats.errors.TimeoutError):
+            return []
+        if batch == 1:
+            return first
+        try:
+            rest = await self.sub.fetch(batch - 1, timeout=0.005)
+        except (TimeoutError, nats.errors.TimeoutError):
+            rest = []
+        return first + rest
 
     async def _admit(self, msg: Msg) -> Delivery | None:
         seq, n = _ack_position(msg)

@@ -69,6 +69,7 @@ class EnvSection(_Section):
     params: dict[str, Any] = Field(default_factory=dict)
     latency_median_s: float = Field(0.0, ge=0)
     latency_sigma: float = Field(1.0, ge=0)
+    inflight_groups: int | None = Field(None, ge=1)  # see ProducerSettings.max_inflight_groups
 
     @field_validator("name", "tenant")
     @classmethod
@@ -150,6 +151,7 @@ class RunConfig(_Section):
                     seed=self.run.seed + 1000 * k,
                     latency_median_s=e.latency_median_s,
                     latency_sigma=e.latency_sigma,
+                    max_inflight_groups=e.inflight_groups,
                 )
             )
         return out

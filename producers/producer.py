@@ -47,6 +47,11 @@ class ProducerSettings(BaseModel):
     latency_median_s: float = 0.0  # simulated environment latency per rollout (0 = none)
     latency_sigma: float = 1.0  # lognormal shape: sigma 1.3 puts ~1% of episodes past 20x the median
     max_concurrent_scoring: int = 512
+    # Groups in flight (submitted, not yet trained or withheld). Default: one batch share per
+    # step of allowed staleness, (1 + max_off_policy_steps) * groups_per_step. Slow, long-tailed
+    # environments need more in flight to keep the trainer busy (Little's law); the trainer
+    # still withholds whatever ends up staler than the bound.
+    max_inflight_groups: int | None = None
 
 
 def group_of(rollout_id: str) -> str:
@@ -74,6 +79,8 @@ class EnvProducer:
 
     @property
     def window(self) -> int:
+        if self.s.max_inflight_groups is not None:
+            return self.s.max_inflight_groups
         return self.s.groups_per_step * (1 + self.s.max_off_policy_steps)
 
     @property

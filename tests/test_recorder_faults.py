@@ -105,8 +105,15 @@ async def test_sigkill_at_random_points_leaves_the_same_tables(
             proc.send_signal(signal.SIGKILL)
             proc.wait()
             assert reached >= target
+        starts = tail_of(log, 10**7).count('"recorder_started"')
         proc = start_recorder(nats_server, run_id, db_url, log, batch=20)
         await wait_recorded(store, run_id, head, proc, log)
+        # The last killed process may already have reached the head: wait until this one is up
+        # (its signal handlers installed) before asking it to stop.
+        deadline = time.monotonic() + 60
+        while tail_of(log, 10**7).count('"recorder_started"') == starts and time.monotonic() < deadline:
+            assert proc.poll() is None, tail_of(log)
+            await asyncio.sleep(0.02)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, tail_of(log)
         assert await bus.last_seq(run_id) == head  # the poison was not dead-lettered twice
