@@ -42,6 +42,8 @@ def configure(level: str | None = None, *, json: bool | None = None) -> None:
 
 
 def get_logger(name: str, **ids: object) -> structlog.typing.FilteringBoundLogger:
+    """A lazy logger: it takes the configuration in force when it logs, so module-level
+    loggers follow a later :func:`configure` (e.g. a command's log level)."""
     if not _configured and not structlog.is_configured():
         configure()
-    return structlog.get_logger(name).bind(**ids)
+    return structlog.get_logger(name, **ids)  # type: ignore[no-any-return]
