@@ -176,7 +176,11 @@ class GenerationCompleted(EventBody):
 
 class RolloutScored(EventBody):
     """A scored completion: the unit the trainer consumes. It carries the generation's array
-    references (not copies of large arrays) so the trainer needs no other event."""
+    references (not copies of large arrays) so the trainer needs no other event.
+
+    A multi-turn episode is one rollout: ``completion_tokens`` holds every model turn and the
+    environment's replies in order, ``completion_mask`` (uint8, 1 = model token) tells them
+    apart, and ``logprobs`` is 0 on environment tokens."""
 
     TYPE: ClassVar[str] = "RolloutScored"
     rollout_id: str
@@ -194,6 +198,8 @@ class RolloutScored(EventBody):
     policy_version_end: int
     reward_parts: dict[str, float] = {}
     routing_trace: ArrayRef | None = None
+    completion_mask: ArrayRef | None = None
+    turns: int = 1
 
 
 class RolloutWithheld(EventBody):

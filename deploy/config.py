@@ -16,6 +16,7 @@ from jetrl.bus.streams import GiB, StreamLimits
 from jetrl.bus.subjects import check_token
 from jetrl.consumers.inference.worker import InferenceSettings
 from jetrl.consumers.trainer.trainer import TrainerSettings
+from jetrl.producers.environments import make_environment
 from jetrl.producers.producer import ProducerSettings
 
 
@@ -75,6 +76,12 @@ class EnvSection(_Section):
     @classmethod
     def _token(cls, v: str) -> str:
         return check_token(v, "env/tenant name")
+
+    @model_validator(mode="after")
+    def _known_env(self) -> EnvSection:
+        # Fail at config time, not in a producer that would crash-loop.
+        make_environment(self.name, **self.params)
+        return self
 
 
 class BusSection(_Section):

@@ -40,6 +40,10 @@ log = get_logger(__name__)
 MAX_RESTARTS = 10
 
 
+class PartFailed(RuntimeError):
+    """A part crash-looped: the run stops, as failed, with the part's log named."""
+
+
 @dataclass
 class Part:
     name: str
@@ -198,7 +202,7 @@ class Supervisor:
             now = time.monotonic()
             p.history = [t for t in p.history if now - t < 300] + [now]
             if len(p.history) > MAX_RESTARTS:
-                raise RuntimeError(
+                raise PartFailed(
                     f"{p.name} crashed {len(p.history)} times in 5 minutes; see "
                     f"{self.run_dir / 'logs' / (p.name + '.log')}"
                 )
@@ -315,6 +319,9 @@ class Supervisor:
             else:
                 status, reason = "cancelled", "interrupted"
                 self.say("stopping (Ctrl-C)...")
+        except PartFailed as exc:
+            reason = str(exc)
+            self.say(f"run failed: {exc}")
         except Exception as exc:
             reason = repr(exc)
             self.say(f"run failed: {exc}")

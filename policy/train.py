@@ -33,6 +33,9 @@ class Rollout:
     inference_logprobs: torch.Tensor  # [C]
     advantage: float
     routing: torch.Tensor | None = None  # [P + C - 1, moe_layers, top_k]
+    # Multi-turn episodes: the completion interleaves model turns (True, trained) with the
+    # environment's text (False, context only). None = every completion token is the model's.
+    completion_mask: Sequence[bool] | None = None
 
 
 @dataclass(slots=True)
@@ -84,7 +87,14 @@ def collate(rollouts: Sequence[Rollout], model_cfg: ModelConfig, *, pad_id: int 
             )
         ids[i, :p] = torch.as_tensor(list(r.prompt_ids), dtype=torch.long)
         ids[i, p : p + c] = torch.as_tensor(list(r.completion_ids), dtype=torch.long)
-        mask[i, p - 1 : p - 1 + c] = True
+        if r.completion_mask is None:
+            mask[i, p - 1 : p - 1 + c] = True
+        else:
+            if len(r.completion_mask) != c:
+                raise ValueError(
+                    f"rollout {i}: completion_mask has {len(r.completion_mask)} entries for {c} tokens"
+                )
+            mask[i, p - 1 : p - 1 + c] = torch.as_tensor(list(r.completion_mask), dtype=torch.bool)
         inf_lp[i, p - 1 : p - 1 + c] = r.inference_logprobs.float()
         if r.routing is not None:
             if not model_cfg.is_moe:

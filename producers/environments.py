@@ -2,7 +2,10 @@
 
 An :class:`Environment` makes tasks (a prompt plus whatever it needs to score the answer, kept
 in ``info`` so that scoring needs no state beyond the TaskSubmitted event) and scores
-completions.
+completions. A multi-turn environment answers a model turn with a :class:`FollowUp` (its own
+turn: text appended to the conversation) until it gives the episode's :class:`Score`; the
+producer hands out each model turn as its own TaskSubmitted event and trains the whole episode
+as one rollout, the environment's text masked out of the loss.
 
 The built-ins are toy tasks with dense, exact rewards that a randomly initialised tiny MoE can
 learn by RL alone on a CPU in minutes.
@@ -31,6 +34,15 @@ class Score:
     parts: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class FollowUp:
+    """The environment's turn: ``text`` is appended after the model's turn, and ``info`` is
+    merged into the episode's info for the next turn."""
+
+    text: str
+    info: dict[str, Any] = field(default_factory=dict)
+
+
 class Environment:
     """Base class. Subclasses set ``name`` and implement :meth:`make_task` and :meth:`score`."""
 
@@ -46,6 +58,11 @@ class Environment:
 
     def score(self, info: dict[str, Any], completion_tokens: list[int]) -> Score:
         raise NotImplementedError
+
+    def react(self, info: dict[str, Any], turn: int, completion_tokens: list[int]) -> Score | FollowUp:
+        """One model turn done: the episode's score, or the environment's reply. Single-turn
+        environments score at once."""
+        return self.score(info, completion_tokens)
 
     def chance_reward(self) -> float:
         """Expected reward of a uniformly random policy (for progress reports)."""
@@ -133,7 +150,34 @@ class ModSumEnv(Environment):
         return 1.0 / self.tok.vocab_size
 
 
-ENVIRONMENTS: dict[str, type[Environment]] = {cls.name: cls for cls in (ReverseEnv, SortEnv, ModSumEnv)}
+class ChainSumEnv(ModSumEnv):
+    """Two turns of modular addition: ``a+b=`` → the model answers ``s``; the environment replies
+    ``+c=`` and the model must answer ``(a + b + c) mod m``. The episode's reward is the mean of
+    both turns' positional rewards."""
+
+    name = "chainsum"
+
+    def make_task(self, rng: random.Random) -> Task:
+        t = super().make_task(rng)
+        return Task(t.prompt_text, t.prompt_tokens, t.max_tokens, {**t.info, "c": rng.randrange(self.m)})
+
+    def react(self, info: dict[str, Any], turn: int, completion_tokens: list[int]) -> Score | FollowUp:
+        if turn == 0:
+            first = self.score(info, completion_tokens).reward
+            c = int(info["c"])
+            nxt = str((int(info["answer"]) + c) % self.m)
+            return FollowUp(text=f"+{c}=", info={"turn0_reward": first, "answer": nxt})
+        second = self.score(info, completion_tokens).reward
+        first = float(info["turn0_reward"])
+        return Score(
+            reward=(first + second) / 2,
+            parts={"turn0": first, "turn1": second, "exact": float(first == 1.0 and second == 1.0)},
+        )
+
+
+ENVIRONMENTS: dict[str, type[Environment]] = {
+    cls.name: cls for cls in (ReverseEnv, SortEnv, ModSumEnv, ChainSumEnv)
+}
 
 
 def make_environment(name: str, tokenizer: CharTokenizer | None = None, **params: Any) -> Environment:

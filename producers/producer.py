@@ -32,7 +32,7 @@ from jetrl.bus.client import Bus, ConsumerSpec, Delivery, Reject
 from jetrl.bus.log import get_logger
 from jetrl.bus.payloads import ObjectStorePayloads, Payloads
 from jetrl.policy.tokenizer import CharTokenizer
-from jetrl.producers.environments import Environment, make_environment
+from jetrl.producers.environments import Environment, FollowUp, Score, make_environment
 
 
 class ProducerSettings(BaseModel):
@@ -52,6 +52,9 @@ class ProducerSettings(BaseModel):
     # environments need more in flight to keep the trainer busy (Little's law); the trainer
     # still withholds whatever ends up staler than the bound.
     max_inflight_groups: int | None = None
+
+
+EPISODE_KEY = "_episode"  # task info key carrying a multi-turn episode's state
 
 
 def group_of(rollout_id: str) -> str:
@@ -99,7 +102,8 @@ class EnvProducer:
             b = item.event.body if item.event else None
             if isinstance(b, ev.TaskSubmitted):
                 self.tasks[b.task_id] = b.info
-                self.submitted = max(self.submitted, int(b.task_id.rsplit(".", 1)[1]) + 1)
+                if b.turn == 0:  # later turns belong to a group already counted
+                    self.submitted = max(self.submitted, int(b.task_id.rsplit(".", 1)[1]) + 1)
             if item.seq >= head:
                 break
 
@@ -131,6 +135,7 @@ class EnvProducer:
                 n = self.submitted
                 task = self.env.make_task(rng)
                 task_id = f"{self.prefix}{n}"
+                info = {**task.info, "max_tokens": task.max_tokens}
                 body = ev.TaskSubmitted(
                     task_id=task_id,
                     env=self.s.env,
@@ -138,11 +143,11 @@ class EnvProducer:
                     prompt_tokens=task.prompt_tokens,
                     prompt_text=task.prompt_text,
                     max_tokens=task.max_tokens,
-                    info=task.info,
+                    info=info,
                     min_policy_version=self.trainer_version,
                     temperature=self.s.temperature,
                 )
-                self.tasks[task_id] = task.info
+                self.tasks[task_id] = info
                 await self.bus.publish(
                     ev.new_event(
                         body,
@@ -176,24 +181,31 @@ class EnvProducer:
         if delay:
             async with d.keep_alive(every=10.0):
                 await asyncio.sleep(delay)
-        s = self.env.score(info, completion)
-        body = ev.RolloutScored(
-            rollout_id=g.generation_id,
-            generation_event_id=d.event.event_id,
-            task_id=g.task_id,
-            env=g.env,
-            group_id=g.group_id,
-            sample_index=g.sample_index,
-            group_size=g.group_size,
-            reward=float(s.reward),
-            reward_parts=s.parts,
-            prompt_tokens=g.prompt_tokens,
-            completion_tokens=g.completion_tokens,
-            logprobs=g.logprobs,
-            routing_trace=g.routing_trace,
-            policy_version_start=g.policy_version_start,
-            policy_version_end=g.policy_version_end,
-        )
+        result = self.env.react(info, g.turn, completion)
+        episode = info.get(EPISODE_KEY)
+        if isinstance(result, FollowUp):
+            await self.next_turn(d, g, info, episode, completion, result)
+            return
+        if episode is None:
+            body = ev.RolloutScored(
+                rollout_id=g.generation_id,
+                generation_event_id=d.event.event_id,
+                task_id=g.task_id,
+                env=g.env,
+                group_id=g.group_id,
+                sample_index=g.sample_index,
+                group_size=g.group_size,
+                reward=float(result.reward),
+                reward_parts=result.parts,
+                prompt_tokens=g.prompt_tokens,
+                completion_tokens=g.completion_tokens,
+                logprobs=g.logprobs,
+                routing_trace=g.routing_trace,
+                policy_version_start=g.policy_version_start,
+                policy_version_end=g.policy_version_end,
+            )
+        else:
+            body = await self.episode_rollout(d, g, episode, completion, result)
         await self.bus.publish(
             ev.new_event(
                 body,
@@ -204,6 +216,106 @@ class EnvProducer:
             )
         )
         self.scored += 1
+
+    async def next_turn(
+        self,
+        d: Delivery,
+        g: ev.GenerationCompleted,
+        info: dict[str, Any],
+        episode: dict[str, Any] | None,
+        completion: list[int],
+        reply: FollowUp,
+    ) -> None:
+        """The environment's turn: the episode so far rides in the next task's info (so a
+        restarted producer finds it in the log), and the next model turn is handed out."""
+        assert self.payloads is not None
+        if episode is None:
+            episode = {
+                "group_id": g.group_id,
+                "sample_index": g.sample_index,
+                "group_size": g.group_size,
+                "task_id": g.task_id,
+                "prompt": (await self.payloads.get_array(g.prompt_tokens)).astype(np.int64).tolist(),
+                "completion": [],
+                "mask": [],
+                "logprobs": [],
+                "version_start": g.policy_version_start,
+                "max_tokens": int(info.get("max_tokens", 0)),
+            }
+        logprobs = (await self.payloads.get_array(g.logprobs)).astype(np.float64).tolist()
+        follow = self.env.tok.encode(reply.text, bos=False)
+        episode = {
+            **episode,
+            "completion": [*episode["completion"], *completion, *follow],
+            "mask": [*episode["mask"], *([1] * len(completion)), *([0] * len(follow))],
+            "logprobs": [*episode["logprobs"], *logprobs, *([0.0] * len(follow))],
+            "version_start": min(int(episode["version_start"]), g.policy_version_start),
+        }
+        task_id = f"{g.generation_id}.t{g.turn + 1}"
+        next_info = {**info, **reply.info, EPISODE_KEY: episode}
+        body = ev.TaskSubmitted(
+            task_id=task_id,
+            env=self.s.env,
+            group_size=1,
+            prompt_tokens=[*episode["prompt"], *episode["completion"]],
+            prompt_text=reply.text,
+            max_tokens=episode["max_tokens"] or 8,
+            info=next_info,
+            episode_id=episode["task_id"],
+            turn=g.turn + 1,
+            min_policy_version=self.trainer_version,
+            temperature=self.s.temperature,
+        )
+        self.tasks[task_id] = next_info
+        await self.bus.publish(
+            ev.new_event(
+                body,
+                run_id=self.run_id,
+                tenant=d.event.tenant,
+                causation_id=d.event.event_id,
+                event_id=uuid.uuid5(uuid.NAMESPACE_URL, f"{self.run_id}/task/{task_id}").hex,
+            )
+        )
+
+    async def episode_rollout(
+        self,
+        d: Delivery,
+        g: ev.GenerationCompleted,
+        episode: dict[str, Any],
+        completion: list[int],
+        score: Score,
+    ) -> ev.RolloutScored:
+        """The whole episode as one rollout: the first prompt, then every turn, with a mask that
+        keeps the environment's text out of the loss."""
+        assert self.payloads is not None
+        logprobs = (await self.payloads.get_array(g.logprobs)).astype(np.float32).tolist()
+        tokens = [*episode["completion"], *completion]
+        mask = [*episode["mask"], *([1] * len(completion))]
+        lps = [*episode["logprobs"], *logprobs]
+        rid = f"{episode['group_id']}-{episode['sample_index']}"
+        name = uuid.uuid5(uuid.NAMESPACE_URL, f"{self.run_id}/episode/{rid}").hex
+        return ev.RolloutScored(
+            rollout_id=rid,
+            generation_event_id=d.event.event_id,
+            task_id=episode["task_id"],
+            env=g.env,
+            group_id=episode["group_id"],
+            sample_index=int(episode["sample_index"]),
+            group_size=int(episode["group_size"]),
+            reward=float(score.reward),
+            reward_parts=score.parts,
+            prompt_tokens=await self.payloads.put_array(
+                f"prompt-{name}", np.asarray(episode["prompt"], np.int32)
+            ),
+            completion_tokens=await self.payloads.put_array(f"tokens-{name}", np.asarray(tokens, np.int32)),
+            logprobs=await self.payloads.put_array(f"logprobs-{name}", np.asarray(lps, np.float32)),
+            completion_mask=await self.payloads.put_array(f"mask-{name}", np.asarray(mask, np.uint8)),
+            # The last turn's trace covers the whole conversation (its prompt is the history).
+            routing_trace=g.routing_trace,
+            policy_version_start=int(episode["version_start"]),
+            policy_version_end=g.policy_version_end,
+            turns=g.turn + 1,
+        )
 
     async def score_loop(self, stop: asyncio.Event) -> None:
         consumer = await self.bus.consumer(

@@ -59,3 +59,18 @@ def test_unknown_environment_and_bad_params() -> None:
         make_environment("modsum", TOK, modulus=11)
     with pytest.raises(ValueError, match="min_len"):
         make_environment("reverse", TOK, min_len=3, max_len=2)
+
+
+def test_chainsum_is_two_turns() -> None:
+    from jetrl.producers.environments import FollowUp, Score
+
+    env = make_environment("chainsum", TOK, modulus=5)
+    t = env.make_task(random.Random(3))
+    a, b = int(t.prompt_text[0]), int(t.prompt_text[2])
+    reply = env.react(t.info, 0, answer_ids(str((a + b) % 5)))
+    assert isinstance(reply, FollowUp) and reply.text == f"+{t.info['c']}="
+    info = {**t.info, **reply.info}
+    final = env.react(info, 1, answer_ids(str((a + b + t.info["c"]) % 5)))
+    assert isinstance(final, Score) and final.reward == 1.0 and final.parts["exact"] == 1.0
+    wrong = env.react(info, 1, answer_ids(str((a + b + t.info["c"] + 1) % 5)))
+    assert isinstance(wrong, Score) and wrong.reward == 0.75 and wrong.parts["exact"] == 0.0

@@ -112,3 +112,61 @@ async def test_short_async_run_keeps_the_invariants(nats_server: EmbeddedServer,
     assert (run_dir / "reward.png").stat().st_size > 1000
     assert (run_dir / "summary.json").exists()
     assert (run_dir / "trainer" / "optimizer.pt").exists()
+
+
+async def test_multi_turn_episodes_train_as_one_masked_rollout(
+    nats_server: EmbeddedServer, tmp_path: Path
+) -> None:
+    cfg = load_config(
+        None,
+        [
+            "--trainer.max_steps",
+            "3",
+            "--trainer.batch_groups",
+            "2",
+            "--trainer.max_off_policy_steps",
+            "1",
+            "--inference.workers",
+            "1",
+            "--envs.0.name",
+            "chainsum",
+            "--envs.0.group_size",
+            "4",
+            "--store.recorder",
+            "false",
+            "--bus.max_gib",
+            "0.25",
+            "--bus.payload_max_gib",
+            "0.5",
+        ],
+    )
+    run_id = "e2emt"
+    sup = Supervisor(cfg, run_id, tmp_path / run_id, nats_url=nats_server.url, quiet=True)
+    assert await sup.run() == 0
+    log = await read_log(nats_server.url, run_id)
+    tasks = [e.body for e in log if isinstance(e.body, ev.TaskSubmitted)]
+    first, second = [t for t in tasks if t.turn == 0], [t for t in tasks if t.turn == 1]
+    assert first and second and not [t for t in tasks if t.turn > 1]
+    # Each second turn continues one sample of a first-turn task, with the history as its prompt.
+    for t in second:
+        assert t.group_size == 1 and t.prompt_text.startswith("+") and t.prompt_text.endswith("=")
+        origin = next(f for f in first if f.task_id == t.episode_id)
+        assert t.prompt_tokens[: len(origin.prompt_tokens)] == origin.prompt_tokens
+    scored = [e.body for e in log if isinstance(e.body, ev.RolloutScored)]
+    assert scored and all(r.turns == 2 and r.completion_mask is not None for r in scored)
+    # The environment's reply is in the completion but masked out; logprobs are 0 there.
+    from jetrl.bus.payloads import ObjectStorePayloads, Payloads
+
+    bus = await Bus.connect(nats_server.url)
+    pay = Payloads(await ObjectStorePayloads.for_run(bus.js, run_id))
+    for r in scored[:8]:
+        mask = (await pay.get_array(r.completion_mask)).tolist()  # type: ignore[arg-type]
+        lps = (await pay.get_array(r.logprobs)).tolist()
+        tokens = (await pay.get_array(r.completion_tokens)).tolist()
+        assert 0 in mask and mask[0] == 1 and mask[-1] == 1 and len(mask) == len(tokens) == len(lps)
+        assert all(lp == 0.0 for lp, m in zip(lps, mask, strict=True) if m == 0)
+        assert r.rollout_id == f"{r.group_id}-{r.sample_index}" and r.group_size == 4
+    await bus.close()
+    steps = [e.body for e in log if isinstance(e.body, ev.StepCompleted)]
+    assert [s.step for s in steps] == [0, 1, 2]
+    assert all(len(s.rollout_ids) == 8 for s in steps)

@@ -241,6 +241,9 @@ class Trainer:
                 trace = None
                 if b.routing_trace is not None and self.s.replay:
                     trace = torch.from_numpy((await self.payloads.get_array(b.routing_trace)).astype("int64"))
+                mask = None
+                if b.completion_mask is not None:
+                    mask = [bool(x) for x in (await self.payloads.get_array(b.completion_mask)).tolist()]
                 out.append(
                     Rollout(
                         prompt_ids=(await self.payloads.get_array(b.prompt_tokens)).tolist(),
@@ -250,6 +253,7 @@ class Trainer:
                         ),
                         advantage=float(adv[gi, si]),
                         routing=trace,
+                        completion_mask=mask,
                     )
                 )
                 stale.append(self.version - b.policy_version_start)
