@@ -48,7 +48,9 @@ def _inline(arr: np.ndarray) -> ev.InlineArray:
 def small_events(run_id: str, n: int) -> list[ev.Event]:
     return [
         ev.new_event(
-            ev.WorkerHeartbeat(worker_id=f"inf-{i % 8}", kind="inference", loaded_version=i // 100, inflight=i % 16),
+            ev.WorkerHeartbeat(
+                worker_id=f"inf-{i % 8}", kind="inference", loaded_version=i // 100, inflight=i % 16
+            ),
             run_id=run_id,
         )
         for i in range(n)
@@ -98,7 +100,9 @@ async def publish_raw(bus: Bus, events: list[ev.Event]) -> float:
     js = bus.nc.jetstream(publish_async_max_pending=WINDOW)
     t0 = time.perf_counter()
     for e in events:
-        await js.publish_async(subjects.subject_for(e), msgspec.msgpack.encode(e), headers={"Nats-Msg-Id": e.event_id})
+        await js.publish_async(
+            subjects.subject_for(e), msgspec.msgpack.encode(e), headers={"Nats-Msg-Id": e.event_id}
+        )
     await js.publish_async_completed()
     return time.perf_counter() - t0
 
@@ -114,7 +118,9 @@ async def publish_jetrl(bus: Bus, events: list[ev.Event]) -> float:
 
 async def consume_raw(bus: Bus, run_id: str, n: int, durable: str) -> float:
     cfg = api.ConsumerConfig(ack_policy=api.AckPolicy.EXPLICIT, max_ack_pending=4096)
-    sub = await bus.js.pull_subscribe(subjects.all_subjects(run_id), durable=durable, stream=stream_name(run_id), config=cfg)
+    sub = await bus.js.pull_subscribe(
+        subjects.all_subjects(run_id), durable=durable, stream=stream_name(run_id), config=cfg
+    )
     got = 0
     t0 = time.perf_counter()
     while got < n:
@@ -129,7 +135,12 @@ async def consume_raw(bus: Bus, run_id: str, n: int, durable: str) -> float:
 
 async def consume_jetrl(bus: Bus, run_id: str, n: int, durable: str) -> float:
     c = await bus.consumer(
-        ConsumerSpec(run_id=run_id, durable=durable, filter_subjects=[subjects.all_subjects(run_id)], max_ack_pending=4096)
+        ConsumerSpec(
+            run_id=run_id,
+            durable=durable,
+            filter_subjects=[subjects.all_subjects(run_id)],
+            max_ack_pending=4096,
+        )
     )
     got = 0
     t0 = time.perf_counter()
@@ -142,7 +153,9 @@ async def consume_jetrl(bus: Bus, run_id: str, n: int, durable: str) -> float:
     return elapsed
 
 
-async def bench_workload(bus: Bus, run_id: str, name: str, events: list[ev.Event], rounds: int) -> dict[str, Rate]:
+async def bench_workload(
+    bus: Bus, run_id: str, name: str, events: list[ev.Event], rounds: int
+) -> dict[str, Rate]:
     n = len(events)
     nbytes = sum(len(ev.encode_event(e)) for e in events)
     times: dict[str, list[float]] = {"pub_raw": [], "pub_jetrl": [], "con_raw": [], "con_jetrl": []}
@@ -183,8 +196,12 @@ async def main() -> None:
         run_id = "benchbus"
         await bus.ensure_run(run_id, LIMITS)
         results = {
-            "small": await bench_workload(bus, run_id, "small", small_events(run_id, args.small), args.rounds),
-            "rollout": await bench_workload(bus, run_id, "rollout", rollout_events(run_id, args.large), args.rounds),
+            "small": await bench_workload(
+                bus, run_id, "small", small_events(run_id, args.small), args.rounds
+            ),
+            "rollout": await bench_workload(
+                bus, run_id, "rollout", rollout_events(run_id, args.large), args.rounds
+            ),
         }
         await bus.close()
     print()
