@@ -12,6 +12,7 @@ from jetrl import __version__
 # command's heavy imports (torch, SQLAlchemy) cost nothing to the others.
 _COMMAND_MODULES = [
     "jetrl.deploy.run_cmd",
+    "jetrl.deploy.replay_cmd",
     "jetrl.deploy.store_cli",
     "jetrl.deploy.bus_demo",
 ]

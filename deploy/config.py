@@ -51,6 +51,7 @@ class TrainerSection(_Section):
     max_grad_norm: float = 1.0
     checkpoint_every: int = Field(10, ge=0)
     threads: int = Field(1, ge=1)
+    ack_wait_s: float = Field(30.0, gt=0)  # how soon rollouts held by a dead trainer are redelivered
 
 
 class InferenceSection(_Section):

@@ -3,11 +3,14 @@
 It pulls RolloutScored events, gathers whole groups, withholds groups staler than
 ``max_off_policy_steps`` (a RolloutWithheld event per rollout, never a silent drop), and once it
 holds ``batch_groups`` fresh groups takes one optimizer step on them with Router Replay. Then,
-in this order, it writes the new weights to the payload store and publishes WeightsReady,
-PolicyVersionPublished and StepCompleted (the exact rollouts consumed, in training order), and
-only when StepCompleted is durable does it ack the rollouts. Event ids derive from the step and
+in this order, it publishes StepCompleted (the exact rollouts consumed, in training order),
+writes the new weights to the payload store and announces them (PolicyVersionPublished,
+WeightsReady), and only then acks the rollouts. Event ids derive from the step and
 version, so a step re-published after a crash is stored once; rollouts the log says were trained
 are acked and skipped if they are delivered again.
+
+On restart it rebuilds itself from the log (consumers/trainer/replay.py): the newest checkpoint,
+then every logged step after it re-taken and checked against its recorded checksum.
 
 Versions: version ``v`` is the policy after ``v`` steps; step ``k`` trains version ``k`` into
 ``k + 1``. A rollout's staleness at step ``k`` is ``k - policy_version_start``.
@@ -18,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import os
 import time
 import uuid
 from collections import deque
@@ -27,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-import torch
 from pydantic import BaseModel, Field
 
 from jetrl.bus import events as ev
@@ -35,10 +36,9 @@ from jetrl.bus import subjects
 from jetrl.bus.client import Bus, ConsumerSpec, Delivery
 from jetrl.bus.log import get_logger
 from jetrl.bus.payloads import ObjectStorePayloads, Payloads
-from jetrl.policy.loss import LossConfig, group_advantages
-from jetrl.policy.models import build_model, get_config
-from jetrl.policy.train import Rollout, collate, make_optimizer, set_deterministic, train_step
-from jetrl.policy.weights import load_into, weights_from_bytes, weights_to_bytes
+from jetrl.consumers.trainer.core import TrainCore, list_checkpoints
+from jetrl.consumers.trainer.replay import Replayer, ReplayError, read_rollouts, read_run_log, read_withheld
+from jetrl.policy.weights import weights_to_bytes
 
 
 class TrainerSettings(BaseModel):
@@ -60,7 +60,7 @@ class TrainerSettings(BaseModel):
     max_grad_norm: float = 1.0
     checkpoint_every: int = 10
     threads: int = 1
-    ack_wait_s: float = 120.0
+    ack_wait_s: float = 30.0  # buffered rollouts are kept alive with in-progress acks
 
 
 @dataclass
@@ -90,12 +90,10 @@ class Trainer:
         self.run_id = run_id
         self.s = settings
         self.ckpt_dir = run_dir / "trainer"
-        self.mcfg = get_config(settings.model, **settings.model_overrides)
-        self.model = build_model(self.mcfg, seed=settings.seed)
-        self.optimizer = make_optimizer(self.model, lr=settings.lr, weight_decay=settings.weight_decay)
-        self.loss_cfg = LossConfig(kl_coef=settings.kl_coef, entropy_coef=settings.entropy_coef)
+        self.core = TrainCore(settings)
         self.version = 0
         self.trained: set[str] = set()
+        self.withheld_ids: set[str] = set()
         self.groups: dict[str, Group] = {}
         self.payloads: Payloads | None = None
         self.rewards: deque[float] = deque(maxlen=settings.reward_window)
@@ -107,70 +105,71 @@ class Trainer:
     # ---------------------------------------------------------------- start / recover
 
     async def recover(self) -> None:
-        """Rebuild what the log says happened: the latest version and the trained rollouts."""
-        head = await self.bus.last_seq(self.run_id)
-        last_ready: ev.WeightsReady | None = None
-        last_step = -1
-        if head:
-            for subject in (subjects.step_subject(self.run_id), subjects.weights_subject(self.run_id)):
-                async for item in self.bus.tail(self.run_id, filter_subject=subject, idle_timeout=1.0):
-                    b = item.event.body if item.event else None
-                    if isinstance(b, ev.StepCompleted):
-                        self.trained.update(b.rollout_ids)
-                        last_step = max(last_step, b.step)
-                        self.rewards.append(b.metrics.get("reward_mean", 0.0))
-                    elif isinstance(b, ev.WeightsReady) and (
-                        last_ready is None or b.version > last_ready.version
-                    ):
-                        last_ready = b
-                    if item.seq >= head:
-                        break
-        if last_ready is None:
-            await self.publish_version(step=None, rollout_ids=[], rollout_seqs=[], metrics={})
+        """Rebuild the trainer from the log: the newest usable checkpoint, then every logged
+        step after it re-taken from the logged rollouts, each checked against the checksum the
+        log recorded. A step logged without its weights (a crash in between) gets them now."""
+        assert self.payloads is not None
+        log = await read_run_log(self.bus, self.run_id)
+        if 0 not in log.weights:
+            await self.announce_version()
             self.log.info("initial_policy_published", version=0)
             return
-        assert self.payloads is not None
-        data = await self.payloads.get_bytes(last_ready.location)
-        tensors, _ = weights_from_bytes(data, expected_checksum=last_ready.weights_checksum)
-        load_into(self.model, tensors)
-        self.version = last_ready.version
-        if self.version != last_step + 1:
-            self.log.warning("log_inconsistent", last_version=self.version, last_step=last_step)
-        ckpt = self.ckpt_dir / "optimizer.pt"
-        if ckpt.exists():
-            state = torch.load(ckpt, weights_only=True)
-            if state.get("version") == self.version:
-                self.optimizer.load_state_dict(state["optimizer"])
-            else:
-                self.log.warning(
-                    "optimizer_state_reset", checkpoint_version=state.get("version"), version=self.version
-                )
-        self.log.info("trainer_recovered", version=self.version, trained_rollouts=len(self.trained))
+        self.trained = log.trained_ids()
+        self.withheld_ids = await read_withheld(self.bus, self.run_id, log.head)
+        for step in sorted(log.steps)[-self.s.reward_window :]:
+            self.rewards.append(log.steps[step][0].metrics.get("reward_mean", 0.0))
+        replayer = Replayer(self.core, self.payloads, log)
+        start: int | None = None
+        for path in list_checkpoints(self.ckpt_dir):
+            v = int(path.stem.removeprefix("ckpt-v"))
+            if v > log.last_step + 1:
+                continue  # newer than the log (the log is the truth): unusable
+            try:
+                await replayer.start_at(v, self.ckpt_dir)
+                start = v
+                break
+            except (ReplayError, ValueError, RuntimeError) as exc:
+                self.log.warning("checkpoint_unusable", checkpoint=path.name, error=str(exc))
+        if start is None:
+            self.core = TrainCore(self.s)  # a refused checkpoint may have been half loaded
+            replayer = Replayer(self.core, self.payloads, log)
+            await replayer.start_at(0)
+        needed = {
+            rid
+            for step, (body, _) in log.steps.items()
+            if step >= replayer.version
+            for rid in body.rollout_ids
+        }
+        t0 = time.perf_counter()
+        rollouts = await read_rollouts(self.bus, self.run_id, needed, log.head)
+        checks = await replayer.run(rollouts)
+        bad = [c for c in checks if not c.ok]
+        if bad:
+            raise ReplayError(
+                f"recovery diverged at step {bad[0].step}: checksum {bad[0].got[:16]}... but the log has "
+                f"{(bad[0].expected or '')[:16]}...; refusing to continue a run that cannot be reproduced"
+            )
+        self.version = replayer.version
+        if self.version not in log.weights:
+            await self.announce_version()  # the crash came between StepCompleted and WeightsReady
+        self.log.info(
+            "trainer_recovered",
+            version=self.version,
+            from_checkpoint=start or 0,
+            replayed_steps=len(checks),
+            replay_s=round(time.perf_counter() - t0, 3),
+            trained_rollouts=len(self.trained),
+        )
 
     # ---------------------------------------------------------------- publishing
 
-    async def publish_version(
-        self,
-        *,
-        step: int | None,
-        rollout_ids: list[str],
-        rollout_seqs: list[int],
-        metrics: dict[str, float],
-        tokens: int = 0,
-        duration_s: float = 0.0,
-    ) -> None:
-        """Weights first, then the facts that point at them; each publish waits for its ack."""
+    async def announce_version(self) -> int:
+        """Make the current weights readable, then say so: PolicyVersionPublished and
+        WeightsReady. Both event ids derive from the version, so a repeat is stored once."""
         assert self.payloads is not None
         v = self.version
-        data, digest = weights_to_bytes(self.model, {"version": str(v), "run": self.run_id})
+        data, digest = weights_to_bytes(self.core.model, {"version": str(v), "run": self.run_id})
         ref = await self.payloads.put_bytes(f"weights-v{v}", data)
-        await self.bus.publish(
-            ev.new_event(
-                ev.WeightsReady(version=v, location=ref, weights_checksum=digest),
-                run_id=self.run_id,
-                event_id=_eid(self.run_id, f"weights/{v}"),
-            )
-        )
         await self.bus.publish(
             ev.new_event(
                 ev.PolicyVersionPublished(
@@ -180,22 +179,44 @@ class Trainer:
                 event_id=_eid(self.run_id, f"policy/{v}"),
             )
         )
-        if step is not None:
-            await self.bus.publish(
-                ev.new_event(
-                    ev.StepCompleted(
-                        step=step,
-                        policy_version=v,
-                        rollout_ids=rollout_ids,
-                        rollout_seqs=rollout_seqs,
-                        metrics=metrics,
-                        tokens=tokens,
-                        duration_s=duration_s,
-                    ),
-                    run_id=self.run_id,
-                    event_id=_eid(self.run_id, f"step/{step}"),
-                )
+        ack = await self.bus.publish(
+            ev.new_event(
+                ev.WeightsReady(version=v, location=ref, weights_checksum=digest),
+                run_id=self.run_id,
+                event_id=_eid(self.run_id, f"weights/{v}"),
             )
+        )
+        return int(ack.seq)
+
+    async def publish_step(
+        self,
+        *,
+        step: int,
+        rollout_ids: list[str],
+        rollout_seqs: list[int],
+        metrics: dict[str, float],
+        tokens: int,
+        duration_s: float,
+    ) -> int:
+        """StepCompleted first: with the logged rollouts it determines the new weights, so a
+        crash before they are announced is repaired by replay. Returns its stream sequence."""
+        ack = await self.bus.publish(
+            ev.new_event(
+                ev.StepCompleted(
+                    step=step,
+                    policy_version=self.version,
+                    rollout_ids=rollout_ids,
+                    rollout_seqs=rollout_seqs,
+                    metrics=metrics,
+                    tokens=tokens,
+                    duration_s=duration_s,
+                ),
+                run_id=self.run_id,
+                event_id=_eid(self.run_id, f"step/{step}"),
+            )
+        )
+        await self.announce_version()
+        return int(ack.seq)
 
     async def withhold(self, group: Group, reason: str, detail: str) -> None:
         for d in group.deliveries:
@@ -221,64 +242,22 @@ class Trainer:
             )
             await d.ack()
         self.withheld += len(group.deliveries)
+        self.withheld_ids.update(d.event.body.rollout_id for d in group.deliveries)  # type: ignore[attr-defined]
         self.log.info("group_withheld", group_id=group.group_id, reason=reason, detail=detail)
 
     # ---------------------------------------------------------------- training
-
-    async def to_rollouts(self, groups: list[Group]) -> tuple[list[Rollout], list[float], list[int]]:
-        assert self.payloads is not None
-        rewards = torch.tensor(
-            [[d.event.body.reward for d in g.deliveries] for g in groups],  # type: ignore[attr-defined]
-            dtype=torch.float32,
-        )
-        adv = group_advantages(rewards, std_scale=self.s.std_scale_advantages)
-        out: list[Rollout] = []
-        stale: list[int] = []
-        for gi, g in enumerate(groups):
-            for si, d in enumerate(g.deliveries):
-                b = d.event.body
-                assert isinstance(b, ev.RolloutScored)
-                trace = None
-                if b.routing_trace is not None and self.s.replay:
-                    trace = torch.from_numpy((await self.payloads.get_array(b.routing_trace)).astype("int64"))
-                mask = None
-                if b.completion_mask is not None:
-                    mask = [bool(x) for x in (await self.payloads.get_array(b.completion_mask)).tolist()]
-                out.append(
-                    Rollout(
-                        prompt_ids=(await self.payloads.get_array(b.prompt_tokens)).tolist(),
-                        completion_ids=(await self.payloads.get_array(b.completion_tokens)).tolist(),
-                        inference_logprobs=torch.from_numpy(
-                            (await self.payloads.get_array(b.logprobs)).copy()
-                        ),
-                        advantage=float(adv[gi, si]),
-                        routing=trace,
-                        completion_mask=mask,
-                    )
-                )
-                stale.append(self.version - b.policy_version_start)
-        return out, rewards.flatten().tolist(), stale
-
-    def _train(self, rollouts: list[Rollout]) -> dict[str, float]:
-        batch = collate(rollouts, self.mcfg)
-        replay = self.s.replay and self.mcfg.is_moe
-        return train_step(
-            self.model,
-            self.optimizer,
-            batch,
-            self.loss_cfg,
-            replay=replay,
-            max_grad_norm=self.s.max_grad_norm,
-            temperature=self.s.temperature,
-        )
 
     async def step(self, groups: list[Group], wait_s: float) -> None:
         t0 = time.perf_counter()
         # Training order: groups by arrival, samples by index (recorded in StepCompleted).
         for g in groups:
             g.deliveries.sort(key=lambda d: d.event.body.sample_index)  # type: ignore[attr-defined]
-        rollouts, rewards, stale = await self.to_rollouts(groups)
-        metrics = await asyncio.to_thread(self._train, rollouts)
+        assert self.payloads is not None
+        bodies = [d.event.body for g in groups for d in g.deliveries]
+        rollouts = await self.core.rollouts(bodies, self.payloads)  # type: ignore[arg-type]
+        rewards = [b.reward for b in bodies]  # type: ignore[attr-defined]
+        stale = [self.version - b.policy_version_start for b in bodies]  # type: ignore[attr-defined]
+        metrics = await asyncio.to_thread(self.core.train, rollouts)
         step = self.version
         self.version += 1
         tokens = sum(len(r.completion_ids) for r in rollouts)
@@ -305,7 +284,7 @@ class Trainer:
         seqs = [d.seq for g in groups for d in g.deliveries]
         duration = time.perf_counter() - t0
         metrics["step_s"] = duration
-        await self.publish_version(
+        step_seq = await self.publish_step(
             step=step, rollout_ids=ids, rollout_seqs=seqs, metrics=metrics, tokens=tokens, duration_s=duration
         )
         # StepCompleted is durable: only now are the rollouts settled.
@@ -314,7 +293,7 @@ class Trainer:
                 await d.ack()
         self.trained.update(ids)
         if self.s.checkpoint_every and self.version % self.s.checkpoint_every == 0:
-            await asyncio.to_thread(self.checkpoint)
+            await asyncio.to_thread(self.core.save_checkpoint, self.ckpt_dir, self.version, step_seq)
         structlog.contextvars.bind_contextvars(step=step)
         self.log.info(
             "step_completed",
@@ -325,13 +304,6 @@ class Trainer:
             loss=round(metrics.get("loss", 0.0), 5),
             step_s=round(duration, 3),
         )
-
-    def checkpoint(self) -> None:
-        """Optimizer state at a version, written atomically (weights themselves are in the log)."""
-        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.ckpt_dir / f".optimizer.pt.{os.getpid()}.tmp"
-        torch.save({"version": self.version, "optimizer": self.optimizer.state_dict()}, tmp)
-        os.replace(tmp, self.ckpt_dir / "optimizer.pt")
 
     def done(self) -> bool:
         if self.version >= self.s.max_steps:
@@ -358,6 +330,9 @@ class Trainer:
                 d, "invalid", f"rollout {b.rollout_id}: reward/group fields out of range"
             )
             return
+        if b.rollout_id in self.withheld_ids:
+            await d.ack()  # withheld before a crash: stays withheld
+            return
         if b.rollout_id in self.trained:
             await d.ack()  # redelivered after a crash: already trained, never twice
             return
@@ -373,8 +348,6 @@ class Trainer:
         )
 
     async def run(self, stop: asyncio.Event) -> int:
-        torch.set_num_threads(self.s.threads)
-        set_deterministic(self.s.seed)
         self.payloads = Payloads(await ObjectStorePayloads.for_run(self.bus.js, self.run_id))
         structlog.contextvars.bind_contextvars(run_id=self.run_id, worker_id="trainer")
         await self.recover()

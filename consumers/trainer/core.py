@@ -1,0 +1,143 @@
+"""The deterministic core of the trainer, shared by the live trainer and by replay.
+
+Given the same starting weights and optimizer state, the same rollouts in the same order and
+the same settings (and torch thread count), :meth:`TrainCore.step` produces bit-identical
+weights on CPU. That is what lets a restarted trainer re-take logged steps, and `jetrl replay
+--verify` check every recorded checksum.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from jetrl.bus import events as ev
+from jetrl.bus.payloads import Payloads
+from jetrl.policy.loss import LossConfig, group_advantages
+from jetrl.policy.models import build_model, get_config
+from jetrl.policy.train import Rollout, collate, make_optimizer, set_deterministic, train_step
+from jetrl.policy.weights import checksum, load_into
+
+CHECKPOINT_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    version: int
+    weights_checksum: str
+    log_seq: int  # stream sequence of the StepCompleted (or WeightsReady) that made `version`
+    path: Path
+
+
+class TrainCore:
+    def __init__(self, settings: Any) -> None:
+        self.s = settings
+        torch.set_num_threads(settings.threads)
+        set_deterministic(settings.seed)
+        self.mcfg = get_config(settings.model, **settings.model_overrides)
+        self.model = build_model(self.mcfg, seed=settings.seed)
+        self.optimizer = make_optimizer(self.model, lr=settings.lr, weight_decay=settings.weight_decay)
+        self.loss_cfg = LossConfig(kl_coef=settings.kl_coef, entropy_coef=settings.entropy_coef)
+
+    # ------------------------------------------------------------------ one step
+
+    async def rollouts(self, bodies: Sequence[ev.RolloutScored], payloads: Payloads) -> list[Rollout]:
+        """Training inputs in the given order; advantages are relative to each group, groups
+        being the runs of equal ``group_id`` (they may differ in size)."""
+        ids: dict[str, int] = {}
+        group_idx = torch.tensor([ids.setdefault(b.group_id, len(ids)) for b in bodies])
+        rewards = torch.tensor([b.reward for b in bodies], dtype=torch.float32)
+        adv = group_advantages(rewards, group_idx, std_scale=self.s.std_scale_advantages)
+        out: list[Rollout] = []
+        for i, b in enumerate(bodies):
+            trace = None
+            if b.routing_trace is not None and self.s.replay:
+                trace = torch.from_numpy((await payloads.get_array(b.routing_trace)).astype("int64"))
+            mask = None
+            if b.completion_mask is not None:
+                mask = [bool(x) for x in (await payloads.get_array(b.completion_mask)).tolist()]
+            out.append(
+                Rollout(
+                    prompt_ids=(await payloads.get_array(b.prompt_tokens)).tolist(),
+                    completion_ids=(await payloads.get_array(b.completion_tokens)).tolist(),
+                    inference_logprobs=torch.from_numpy((await payloads.get_array(b.logprobs)).copy()),
+                    advantage=float(adv[i]),
+                    routing=trace,
+                    completion_mask=mask,
+                )
+            )
+        return out
+
+    def train(self, rollouts: list[Rollout]) -> dict[str, float]:
+        batch = collate(rollouts, self.mcfg)
+        return train_step(
+            self.model,
+            self.optimizer,
+            batch,
+            self.loss_cfg,
+            replay=self.s.replay and self.mcfg.is_moe,
+            max_grad_norm=self.s.max_grad_norm,
+            temperature=self.s.temperature,
+        )
+
+    def checksum(self) -> str:
+        return checksum(self.model)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, directory: Path, version: int, log_seq: int, keep: int = 3) -> Checkpoint:
+        """Weights and optimizer state at ``version``, written atomically (temp file, fsync,
+        rename): a crash mid-write leaves only a temp file, which is never resumed from."""
+        directory.mkdir(parents=True, exist_ok=True)
+        digest = self.checksum()
+        path = directory / f"ckpt-v{version:08d}.pt"
+        tmp = directory / f".{path.name}.{os.getpid()}.tmp"
+        state = {
+            "format": CHECKPOINT_FORMAT,
+            "version": version,
+            "weights_checksum": digest,
+            "log_seq": log_seq,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+        }
+        with tmp.open("wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        for old in sorted(directory.glob("ckpt-v*.pt"))[:-keep]:
+            old.unlink(missing_ok=True)
+        return Checkpoint(version, digest, log_seq, path)
+
+    def load_checkpoint(self, path: Path) -> Checkpoint:
+        state = torch.load(path, weights_only=True)
+        if state.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"{path}: unknown checkpoint format {state.get('format')!r}")
+        load_into(self.model, state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        digest = self.checksum()
+        if digest != state["weights_checksum"]:
+            raise ValueError(
+                f"{path}: weights checksum {digest} does not match the recorded {state['weights_checksum']}"
+            )
+        return Checkpoint(int(state["version"]), digest, int(state["log_seq"]), path)
+
+
+def list_checkpoints(directory: Path) -> list[Path]:
+    """Complete checkpoints, newest first (temp files of an interrupted write are ignored)."""
+    return sorted(directory.glob("ckpt-v*.pt"), reverse=True)
+
+
+def group_runs(bodies: Sequence[ev.RolloutScored]) -> list[list[ev.RolloutScored]]:
+    out: list[list[ev.RolloutScored]] = []
+    for b in bodies:
+        if out and out[-1][0].group_id == b.group_id:
+            out[-1].append(b)
+        else:
+            out.append([b])
+    return out

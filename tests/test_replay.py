@@ -1,0 +1,123 @@
+"""Replay from the log reproduces every step's weights; a trainer killed mid-run recovers by
+replay and the run goes on as if nothing happened."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from jetrl.bus import events as ev
+from jetrl.bus.client import Bus
+from jetrl.bus.payloads import ObjectStorePayloads, Payloads
+from jetrl.bus.server import EmbeddedServer
+from jetrl.consumers.trainer.core import TrainCore
+from jetrl.consumers.trainer.replay import Replayer, divergence_hints, read_rollouts, read_run_log
+from jetrl.deploy.config import RunConfig, load_config
+from jetrl.deploy.replay_cmd import replay
+from jetrl.deploy.supervisor import Supervisor
+from tests.test_run_e2e import read_log
+
+pytestmark = pytest.mark.slow
+
+OVERRIDES = [
+    "--trainer.batch_groups",
+    "2",
+    "--trainer.max_off_policy_steps",
+    "1",
+    "--trainer.checkpoint_every",
+    "3",
+    "--inference.workers",
+    "1",
+    "--envs.0.group_size",
+    "4",
+    "--store.recorder",
+    "false",
+    "--bus.max_gib",
+    "0.25",
+    "--bus.payload_max_gib",
+    "0.5",
+]
+
+
+async def test_replay_verifies_every_step_and_names_a_divergence(
+    nats_server: EmbeddedServer, tmp_path: Path
+) -> None:
+    run_id = "replay1"
+    cfg = load_config(None, ["--trainer.max_steps", "7", *OVERRIDES])
+    sup = Supervisor(cfg, run_id, tmp_path / run_id, nats_url=nats_server.url, quiet=True)
+    assert await sup.run() == 0
+    run_dir = tmp_path / run_id
+    assert (
+        await replay(nats_server.url, run_id, run_dir, from_step=0, to_step=None, verify=True, quiet=True)
+        == 0
+    )
+    # From the checkpoint at version 3 (weights and optimizer state) to the end.
+    assert (run_dir / "trainer" / "ckpt-v00000003.pt").exists()
+    assert (
+        await replay(nats_server.url, run_id, run_dir, from_step=3, to_step=None, verify=True, quiet=True)
+        == 0
+    )
+    # No checkpoint at version 2: refused with a clear exit code, not a wrong answer.
+    assert (
+        await replay(nats_server.url, run_id, run_dir, from_step=2, to_step=None, verify=True, quiet=True)
+        == 2
+    )
+
+    # A replay under another learning rate diverges at the first step, and says why.
+    bus = await Bus.connect(nats_server.url)
+    log = await read_run_log(bus, run_id)
+    settings = RunConfig.model_validate(log.config).trainer_settings()
+    changed = settings.model_copy(update={"lr": settings.lr * 2})
+    replayer = Replayer(TrainCore(changed), Payloads(await ObjectStorePayloads.for_run(bus.js, run_id)), log)
+    await replayer.start_at(0)
+    rollouts = await read_rollouts(bus, run_id, set(log.steps[0][0].rollout_ids), log.head)
+    checks = await replayer.run(rollouts, to_step=0)
+    assert len(checks) == 1 and not checks[0].ok
+    assert any("trainer.lr" in h for h in divergence_hints(log, changed, {}))
+    await bus.close()
+
+
+@pytest.mark.fault
+async def test_trainer_killed_mid_run_recovers_by_replay(nats_server: EmbeddedServer, tmp_path: Path) -> None:
+    run_id = "trainerkill"
+    steps = 9
+    cfg = load_config(None, ["--trainer.max_steps", str(steps), "--trainer.ack_wait_s", "2", *OVERRIDES])
+    sup = Supervisor(cfg, run_id, tmp_path / run_id, nats_url=nats_server.url, quiet=True)
+    run = asyncio.create_task(sup.run())
+    kills = 0
+    for target in (2, 5):  # once before a checkpoint, once after
+        while len(sup.progress.steps) < target and not run.done():
+            await asyncio.sleep(0.05)
+        trainer = next(p for p in sup.parts if p.name == "trainer")
+        if trainer.proc and trainer.proc.poll() is None:
+            trainer.proc.send_signal(signal.SIGKILL)
+            kills += 1
+            await asyncio.sleep(0.6)  # the supervisor sees the crash and restarts it
+    assert await run == 0
+    assert kills == 2
+    assert next(p for p in sup.parts if p.name == "trainer").restarts == 2
+
+    log = await read_log(nats_server.url, run_id)
+    step_events = [e.body for e in log if isinstance(e.body, ev.StepCompleted)]
+    # A step re-published after a crash has the same event id: the log holds each step once.
+    assert sorted(s.step for s in step_events) == list(range(steps))
+    trained = Counter(rid for s in step_events for rid in s.rollout_ids)
+    assert all(n == 1 for n in trained.values()), "a rollout was trained twice"
+    scored = Counter(e.body.rollout_id for e in log if isinstance(e.body, ev.RolloutScored))
+    assert set(trained) <= set(scored) and all(n == 1 for n in scored.values())
+    withheld = {e.body.rollout_id for e in log if isinstance(e.body, ev.RolloutWithheld)}
+    assert not withheld & set(trained)
+    versions = [e.body.version for e in log if isinstance(e.body, ev.PolicyVersionPublished)]
+    assert sorted(set(versions)) == list(range(steps + 1))
+    # The final weights are exactly what replaying the whole log gives.
+    run_dir = tmp_path / run_id
+    assert (
+        await replay(nats_server.url, run_id, run_dir, from_step=0, to_step=None, verify=True, quiet=True)
+        == 0
+    )
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert trainer_log.count('"trainer_recovered"') == 2
