@@ -13,6 +13,7 @@ from jetrl import __version__
 _COMMAND_MODULES = [
     "jetrl.deploy.run_cmd",
     "jetrl.deploy.replay_cmd",
+    "jetrl.deploy.resume_cmd",
     "jetrl.deploy.store_cli",
     "jetrl.deploy.bus_demo",
 ]
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     own, overrides = split_overrides(argv)
     args = build_parser().parse_args(own)
     if overrides:
-        if args.command != "run":
+        if args.command not in ("run", "resume"):
             build_parser().error(f"unrecognized arguments: {' '.join(overrides)}")
         args.overrides = overrides
     return int(args.func(args) or 0)

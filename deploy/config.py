@@ -60,6 +60,7 @@ class InferenceSection(_Section):
     max_batch_tasks: int = Field(8, ge=1)
     top_p: float = Field(1.0, gt=0, le=1)
     threads: int = Field(1, ge=1)
+    ack_wait_s: float = Field(30.0, gt=0)  # how soon tasks held by a dead worker go to another
 
 
 class EnvSection(_Section):
@@ -72,6 +73,7 @@ class EnvSection(_Section):
     latency_median_s: float = Field(0.0, ge=0)
     latency_sigma: float = Field(1.0, ge=0)
     inflight_groups: int | None = Field(None, ge=1)  # see ProducerSettings.max_inflight_groups
+    ack_wait_s: float = Field(30.0, gt=0)  # how soon generations held by a dead producer are rescored
 
     @field_validator("name", "tenant")
     @classmethod
@@ -140,6 +142,7 @@ class RunConfig(_Section):
             top_p=i.top_p,
             seed=self.run.seed,
             threads=i.threads,
+            ack_wait_s=i.ack_wait_s,
         )
 
     def producer_settings(self) -> list[ProducerSettings]:
@@ -160,6 +163,7 @@ class RunConfig(_Section):
                     latency_median_s=e.latency_median_s,
                     latency_sigma=e.latency_sigma,
                     max_inflight_groups=e.inflight_groups,
+                    ack_wait_s=e.ack_wait_s,
                 )
             )
         return out

@@ -88,6 +88,7 @@ class Supervisor:
         self.server: EmbeddedServer | None = None
         self.parts: list[Part] = []
         self.progress = Progress()
+        self.server_restarts = 0
         self.log = log.bind(run_id=run_id)
 
     # ------------------------------------------------------------------ processes
@@ -188,8 +189,32 @@ class Supervisor:
         part.started_at = time.monotonic()
         self.log.info("part_started", part=part.name, pid=part.proc.pid, restarts=part.restarts)
 
+    async def already_started(self, bus: Bus) -> bool:
+        """A resumed run keeps its first RunStarted (and the config recorded there)."""
+        if not await bus.last_seq(self.run_id):
+            return False
+        async for item in bus.tail(
+            self.run_id, filter_subject=subjects.run_subject(self.run_id), idle_timeout=1.0
+        ):
+            if item.event and isinstance(item.event.body, ev.RunStarted):
+                return True
+        return False
+
+    def check_server(self) -> None:
+        """The embedded nats-server is a part too: restarted on its port and files, where
+        every client reconnects to it."""
+        if self.server is None or self.server.proc is None or self.server.proc.poll() is None:
+            return
+        self.server_restarts += 1
+        self.log.warning(
+            "nats_server_crashed", exit_code=self.server.proc.returncode, restarts=self.server_restarts
+        )
+        self.say(f"  ! nats-server exited with {self.server.proc.returncode}; restarting")
+        self.server.start()
+
     def check_parts(self) -> Part | None:
         """Restart crashed parts; return the trainer once it has finished on its own."""
+        self.check_server()
         for p in self.parts:
             if p.proc is None or p.finished:
                 continue
@@ -278,18 +303,20 @@ class Supervisor:
         follower: asyncio.Task[None] | None = None
         try:
             await bus.ensure_run(self.run_id, self.cfg.bus.limits())
-            await bus.publish(
-                ev.new_event(
-                    ev.RunStarted(
-                        config=self.cfg.model_dump(mode="json"),
-                        code_version=__version__,
-                        host=socket.gethostname(),
-                        library_versions=_versions(),
-                    ),
-                    run_id=self.run_id,
-                    event_id=_eid(self.run_id, "started"),
+            resumed = await self.already_started(bus)
+            if not resumed:
+                await bus.publish(
+                    ev.new_event(
+                        ev.RunStarted(
+                            config=self.cfg.model_dump(mode="json"),
+                            code_version=__version__,
+                            host=socket.gethostname(),
+                            library_versions=_versions(),
+                        ),
+                        run_id=self.run_id,
+                        event_id=_eid(self.run_id, "started"),
+                    )
                 )
-            )
             self.say(
                 f"jetrl run {self.run_id}: {len(self.cfg.envs)} env(s), "
                 f"{self.cfg.inference.workers} inference worker(s), model {self.cfg.model.name}, "
@@ -339,7 +366,7 @@ class Supervisor:
                     ev.new_event(
                         ev.RunFinished(status=status, steps=steps, reason=reason),  # type: ignore[arg-type]
                         run_id=self.run_id,
-                        event_id=_eid(self.run_id, "finished"),
+                        event_id=_eid(self.run_id, f"finished/{status}/{steps}"),
                     )
                 )
             head = await bus.last_seq(self.run_id)
@@ -379,7 +406,8 @@ class Supervisor:
                 staleness_mean=round(sum(s.get("staleness_mean", 0.0) for s in steps) / len(steps), 3),
                 trainer_idle_frac=round(steps[-1].get("trainer_idle_frac", 0.0), 3),
                 withheld=int(steps[-1].get("withheld_total", 0)),
-                restarts={p.name: p.restarts for p in self.parts if p.restarts},
+                restarts={p.name: p.restarts for p in self.parts if p.restarts}
+                | ({"nats-server": self.server_restarts} if self.server_restarts else {}),
             )
         if self.cfg.store.recorder:
             store = open_store(self.db_url)

@@ -52,6 +52,7 @@ class ProducerSettings(BaseModel):
     # environments need more in flight to keep the trainer busy (Little's law); the trainer
     # still withholds whatever ends up staler than the bound.
     max_inflight_groups: int | None = None
+    ack_wait_s: float = 30.0  # how soon generations held by a dead producer are scored again
 
 
 EPISODE_KEY = "_episode"  # task info key carrying a multi-turn episode's state
@@ -323,7 +324,7 @@ class EnvProducer:
                 run_id=self.run_id,
                 durable=f"scorer-{self.s.tenant}-{self.s.env}",
                 filter_subjects=[subjects.generation_subject(self.run_id, self.s.tenant, self.s.env)],
-                ack_wait=30.0,
+                ack_wait=self.s.ack_wait_s,
                 max_deliver=5,
                 max_ack_pending=100_000,
             )

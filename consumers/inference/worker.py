@@ -44,7 +44,7 @@ class InferenceSettings(BaseModel):
     seed: int = 0
     threads: int = 1
     heartbeat_s: float = 2.0
-    ack_wait_s: float = 60.0
+    ack_wait_s: float = 30.0  # how soon tasks held by a dead worker go to another
 
 
 class InferenceWorker:

@@ -1,0 +1,104 @@
+"""Every part of a run may die at any moment (SIGKILL): the supervisor restarts it, it rebuilds
+itself from the log, and the run's invariants hold. The trainer has its own test in
+test_replay.py."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from jetrl.bus import events as ev
+from jetrl.bus.server import EmbeddedServer
+from jetrl.deploy.config import load_config
+from jetrl.deploy.replay_cmd import replay
+from jetrl.deploy.supervisor import Supervisor
+from jetrl.store import queries
+from jetrl.store.db import open_store
+from tests.test_run_e2e import read_log
+
+pytestmark = [pytest.mark.slow, pytest.mark.fault]
+
+STEPS = 10
+FAST_REDELIVERY = [
+    "--trainer.ack_wait_s",
+    "2",
+    "--inference.ack_wait_s",
+    "2",
+    "--envs.0.ack_wait_s",
+    "2",
+]
+
+
+@pytest.mark.parametrize("victim", ["inference-0", "env-default-modsum-0", "recorder", "nats-server"])
+async def test_part_killed_twice_mid_run(victim: str, tmp_path: Path) -> None:
+    run_id = f"kill-{victim.split('-')[0]}"
+    cfg = load_config(
+        None,
+        [
+            "--trainer.max_steps",
+            str(STEPS),
+            "--trainer.batch_groups",
+            "2",
+            "--trainer.checkpoint_every",
+            "4",
+            "--inference.workers",
+            "1",
+            "--envs.0.group_size",
+            "4",
+            *FAST_REDELIVERY,
+            "--bus.max_gib",
+            "0.25",
+            "--bus.payload_max_gib",
+            "0.5",
+        ],
+    )
+    # Its own embedded server: the nats-server is one of the victims.
+    sup = Supervisor(cfg, run_id, tmp_path / run_id, quiet=True)
+    run = asyncio.create_task(sup.run())
+    kills = 0
+    for target in (3, 6):
+        while len(sup.progress.steps) < target and not run.done():
+            await asyncio.sleep(0.05)
+        if victim == "nats-server":
+            assert sup.server is not None
+            sup.server.kill()
+        else:
+            part = next(p for p in sup.parts if p.name == victim)
+            assert part.proc is not None and part.proc.poll() is None
+            part.proc.send_signal(signal.SIGKILL)
+        kills += 1
+        await asyncio.sleep(1.0)
+    assert await asyncio.wait_for(run, 240) == 0
+    assert kills == 2
+    restarts = (
+        sup.server_restarts
+        if victim == "nats-server"
+        else next(p for p in sup.parts if p.name == victim).restarts
+    )
+    assert restarts == 2
+
+    with EmbeddedServer(tmp_path / run_id / "nats") as srv:
+        log = await read_log(srv.url, run_id)
+        steps = [e.body for e in log if isinstance(e.body, ev.StepCompleted)]
+        assert sorted(s.step for s in steps) == list(range(STEPS))
+        trained = Counter(rid for s in steps for rid in s.rollout_ids)
+        assert all(n == 1 for n in trained.values()), "a rollout was trained twice"
+        scored = {e.body.rollout_id for e in log if isinstance(e.body, ev.RolloutScored)}
+        assert set(trained) <= scored
+        withheld = {e.body.rollout_id for e in log if isinstance(e.body, ev.RolloutWithheld)}
+        assert not withheld & set(trained)
+        assert (
+            await replay(
+                srv.url, run_id, tmp_path / run_id, from_step=0, to_step=None, verify=True, quiet=True
+            )
+            == 0
+        )
+    store = open_store(sup.db_url)
+    try:
+        assert [h.step for h in queries.step_history(store, run_id)] == list(range(STEPS))
+    finally:
+        store.close()
