@@ -1,0 +1,208 @@
+"""Chaos: a long run with random SIGKILLs spread over every part, the nats-server included.
+
+A real `jetrl run` (embedded nats-server, SQLite store, every part its own process) of
+``--steps`` steps. Every few steps a randomly chosen part is killed with SIGKILL: the trainer,
+an inference worker, the environment producer, the recorder or the nats-server itself. The
+supervisor restarts it and it rebuilds its state from the log. Afterwards the log is audited:
+
+* recovery time per part: from the kill to the next completed step;
+* rollouts lost: scored, but neither trained nor withheld nor still deliverable to the trainer
+  (every unacked message is fetched back from the trainer's durable consumer to check);
+* rollouts trained twice (in two steps, or twice in one);
+* whether `jetrl replay --verify` reproduces every step's checksum from the log.
+
+    python bench/chaos.py [--steps 200] [--kills 22] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import signal
+import statistics
+import tempfile
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+from jetrl.bus import events as ev
+from jetrl.bus import subjects
+from jetrl.bus.client import Bus, ConsumerSpec
+from jetrl.bus.log import configure
+from jetrl.bus.server import EmbeddedServer
+from jetrl.deploy.config import load_config
+from jetrl.deploy.replay_cmd import replay
+from jetrl.deploy.supervisor import Supervisor
+
+ACK_WAIT = 3.0
+
+
+async def read_log(url: str, run_id: str) -> list[ev.Event]:
+    bus = await Bus.connect(url)
+    head = await bus.last_seq(run_id)
+    out = []
+    async for item in bus.tail(run_id, idle_timeout=3.0):
+        if item.event is not None:
+            out.append(item.event)
+        if item.seq >= head:
+            break
+    await bus.close()
+    return out
+
+
+async def deliverable_to_trainer(url: str, run_id: str) -> set[str]:
+    """Every rollout the trainer's durable consumer would still deliver (nothing is acked)."""
+    await asyncio.sleep(ACK_WAIT + 0.5)  # unacked deliveries become deliverable again
+    bus = await Bus.connect(url)
+    c = await bus.consumer(
+        ConsumerSpec(
+            run_id=run_id,
+            durable="trainer",
+            filter_subjects=[subjects.rollout_subject(run_id)],
+            ack_wait=60.0,
+            max_deliver=1_000_000,
+            max_ack_pending=1_000_000,
+        )
+    )
+    out: set[str] = set()
+    while True:
+        batch = await c.fetch(1000, timeout=1.0)
+        if not batch:
+            break
+        out.update(d.event.body.rollout_id for d in batch if isinstance(d.event.body, ev.RolloutScored))
+    await bus.close()
+    return out
+
+
+async def chaos(root: Path, steps: int, kills: int, seed: int) -> dict[str, object]:
+    run_id = "chaos"
+    cfg = load_config(
+        None,
+        [
+            "--run.seed",
+            str(seed),
+            "--trainer.max_steps",
+            str(steps),
+            "--trainer.batch_groups",
+            "4",
+            "--trainer.checkpoint_every",
+            "10",
+            "--trainer.ack_wait_s",
+            str(ACK_WAIT),
+            "--inference.workers",
+            "2",
+            "--inference.ack_wait_s",
+            str(ACK_WAIT),
+            "--envs.0.group_size",
+            "8",
+            "--envs.0.ack_wait_s",
+            str(ACK_WAIT),
+            "--trainer.entropy_coef",
+            "0.02",
+        ],
+    )
+    sup = Supervisor(cfg, run_id, root / run_id, quiet=True)
+    run = asyncio.create_task(sup.run())
+    rng = random.Random(seed)
+    victims = ["trainer", "inference-0", "inference-1", "env-default-modsum-0", "recorder", "nats-server"]
+    every = max(1, steps // (kills + 2))
+    injected: list[tuple[str, float, int]] = []  # (victim, time, steps done at the kill)
+    next_at = every
+    while not run.done() and len(injected) < kills:
+        done = len(sup.progress.steps)
+        if done >= next_at:
+            victim = rng.choice(victims)
+            if victim == "nats-server":
+                assert sup.server is not None
+                sup.server.kill()
+            else:
+                part = next(p for p in sup.parts if p.name == victim)
+                if part.proc is None or part.proc.poll() is not None:
+                    await asyncio.sleep(0.1)
+                    continue
+                part.proc.send_signal(signal.SIGKILL)
+            injected.append((victim, time.monotonic(), done))
+            print(f"  kill {len(injected):>2}: {victim:<22} at step {done}", flush=True)
+            next_at = done + every
+        await asyncio.sleep(0.05)
+    status = await run
+    t_steps = [(s["step"], sup.progress.started + s["t"]) for s in sup.progress.steps]
+
+    recovery: dict[str, list[float]] = defaultdict(list)
+    for victim, t_kill, _ in injected:
+        after = [t for _, t in t_steps if t > t_kill]
+        if after:
+            recovery[victim.split("-")[0] if victim.startswith("inference") else victim].append(
+                after[0] - t_kill
+            )
+
+    with EmbeddedServer(root / run_id / "nats") as srv:
+        log = await read_log(srv.url, run_id)
+        step_bodies = [e.body for e in log if isinstance(e.body, ev.StepCompleted)]
+        trained = Counter(rid for s in step_bodies for rid in s.rollout_ids)
+        scored = {e.body.rollout_id for e in log if isinstance(e.body, ev.RolloutScored)}
+        withheld = {e.body.rollout_id for e in log if isinstance(e.body, ev.RolloutWithheld)}
+        pending = await deliverable_to_trainer(srv.url, run_id)
+        lost = scored - set(trained) - withheld - pending
+        verified = await replay(
+            srv.url, run_id, root / run_id, from_step=0, to_step=None, verify=True, quiet=True
+        )
+    return {
+        "status": status,
+        "steps": len({s.step for s in step_bodies}),
+        "steps_contiguous": sorted({s.step for s in step_bodies})
+        == list(range(len({s.step for s in step_bodies}))),
+        "injected": injected,
+        "recovery": recovery,
+        "scored": len(scored),
+        "trained": len(trained),
+        "withheld": len(withheld),
+        "pending": len(pending - set(trained) - withheld),
+        "lost": len(lost),
+        "trained_twice": sum(1 for n in trained.values() if n > 1),
+        "replay_verified": verified == 0,
+        "restarts": {p.name: p.restarts for p in sup.parts if p.restarts}
+        | {"nats-server": sup.server_restarts},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--kills", type=int, default=22)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    configure(level="error")
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        r = asyncio.run(chaos(Path(tmp), args.steps, args.kills, args.seed))
+    wall = time.perf_counter() - t0
+    injected = r["injected"]
+    by_part = Counter(v for v, _, _ in injected)  # type: ignore[union-attr]
+    print()
+    print(
+        f"run: {r['steps']} steps (contiguous: {r['steps_contiguous']}), "
+        f"status code {r['status']}, {wall:.0f}s"
+    )
+    print(
+        f"rollouts: {r['scored']} scored, {r['trained']} trained, {r['withheld']} withheld, "
+        f"{r['pending']} still deliverable at the end"
+    )
+    print(f"restarts seen by the supervisor: {r['restarts']}")
+    print(f"{'part':<22}{'kills':>6}{'recovery median':>17}{'max':>8}")
+    for part, times in sorted(r["recovery"].items()):  # type: ignore[union-attr]
+        kills = sum(n for v, n in by_part.items() if v.startswith(part))
+        print(f"{part:<22}{kills:>6}{statistics.median(times):>16.1f}s{max(times):>7.1f}s")
+    print()
+    print(f"faults injected {len(injected)} over {len(by_part)} kinds of part (target >= 20)")  # type: ignore[arg-type]
+    all_times = [t for ts in r["recovery"].values() for t in ts]  # type: ignore[union-attr]
+    if all_times:
+        print(f"recovery time median {statistics.median(all_times):.1f} s, max {max(all_times):.1f} s")
+    print(f"rollouts lost {r['lost']} (target 0)")
+    print(f"rollouts trained twice {r['trained_twice']} (target 0)")
+    print(f"replay verified {'yes' if r['replay_verified'] else 'NO'} (target yes)")
+
+
+if __name__ == "__main__":
+    main()
