@@ -249,7 +249,9 @@ class Bus:
             cb=on_msg,
             ordered_consumer=True,
             config=cfg,
-            idle_heartbeat=5.0,
+            # nats-py resets an ordered consumer after two missed heartbeats: 1 s bounds how
+            # long a tail stays silent after the server restarts (5 s meant ~20 s stalls).
+            idle_heartbeat=1.0,
         )
         try:
             while True:
