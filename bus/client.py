@@ -465,23 +465,29 @@ class Delivery:
         if not self.settled:
             await self.msg.in_progress()
 
-    @contextlib.asynccontextmanager
-    async def keep_alive(self, every: float) -> AsyncIterator[None]:
+    def keep_alive(self, every: float) -> contextlib.AbstractAsyncContextManager[None]:
         """Send in-progress acks every ``every`` seconds while a long piece of work runs."""
+        return keep_alive([self], every)
 
-        async def beat() -> None:
-            while True:
-                await asyncio.sleep(every)
+
+@contextlib.asynccontextmanager
+async def keep_alive(deliveries: Sequence[Delivery], every: float) -> AsyncIterator[None]:
+    """In-progress acks for several deliveries (e.g. a batch being generated) while work runs."""
+
+    async def beat() -> None:
+        while True:
+            await asyncio.sleep(every)
+            for d in deliveries:
                 with contextlib.suppress(Exception):
-                    await self.in_progress()
+                    await d.in_progress()
 
-        task = asyncio.create_task(beat())
-        try:
-            yield
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 Handler = Callable[[ev.Event, Delivery], Awaitable[None]]

@@ -4,10 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
+
+from pydantic import BaseModel
 
 from jetrl.bus.log import configure
+
+T = TypeVar("T", bound=BaseModel)
+
+
+def load_settings(model: type[T], raw: str) -> T:
+    """A process's settings: JSON on the command line, or ``@path`` to a JSON file."""
+    text = Path(raw[1:]).read_text() if raw.startswith("@") else raw
+    return model.model_validate(json.loads(text))
 
 
 def run_process(

@@ -242,6 +242,7 @@ class Supervisor:
             p for p in self.parts if p.proc and p.proc.poll() is None and (names is None or p.name in names)
         ]
         for p in chosen:
+            p.finished = True  # stopped on purpose: not to be restarted
             with contextlib.suppress(ProcessLookupError):
                 p.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
         deadline = time.monotonic() + timeout
@@ -387,6 +388,7 @@ class Supervisor:
             while time.monotonic() < deadline:
                 if queries.recorded_seq(store, self.run_id) >= head:
                     return
+                self.check_parts()  # the recorder may crash while catching up, too
                 await asyncio.sleep(0.25)
             self.say(f"  ! the recorder did not reach sequence {head} in {timeout:.0f}s")
         finally:

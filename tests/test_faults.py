@@ -5,6 +5,7 @@ test_replay.py."""
 from __future__ import annotations
 
 import asyncio
+import random
 import signal
 from collections import Counter
 from pathlib import Path
@@ -33,34 +34,28 @@ FAST_REDELIVERY = [
 ]
 
 
-@pytest.mark.parametrize("victim", ["inference-0", "env-default-modsum-0", "recorder", "nats-server"])
-async def test_part_killed_twice_mid_run(victim: str, tmp_path: Path) -> None:
-    run_id = f"kill-{victim.split('-')[0]}"
-    cfg = load_config(
-        None,
-        [
-            "--trainer.max_steps",
-            str(STEPS),
-            "--trainer.batch_groups",
-            "2",
-            "--trainer.checkpoint_every",
-            "4",
-            "--inference.workers",
-            "1",
-            "--envs.0.group_size",
-            "4",
-            *FAST_REDELIVERY,
-            "--bus.max_gib",
-            "0.25",
-            "--bus.payload_max_gib",
-            "0.5",
-        ],
-    )
+@pytest.mark.parametrize(
+    ("victim", "env"),
+    [
+        ("inference-0", "modsum"),
+        ("env-default-modsum-0", "modsum"),
+        ("env-default-chainsum-0", "chainsum"),  # killed with two-turn episodes in flight
+        ("recorder", "modsum"),
+        ("nats-server", "modsum"),
+    ],
+)
+async def test_part_killed_twice_mid_run(victim: str, env: str, tmp_path: Path) -> None:
+    run_id = f"kill-{victim.split('-')[0]}-{env}"
+    rng = random.Random(run_id)
+    args = f"--trainer.max_steps {STEPS} --trainer.batch_groups 2 --trainer.checkpoint_every 4 "
+    args += f"--inference.workers 1 --envs.0.name {env} --envs.0.group_size 4 "
+    args += "--bus.max_gib 0.25 --bus.payload_max_gib 0.5"
+    cfg = load_config(None, [*args.split(), *FAST_REDELIVERY])
     # Its own embedded server: the nats-server is one of the victims.
     sup = Supervisor(cfg, run_id, tmp_path / run_id, quiet=True)
     run = asyncio.create_task(sup.run())
     kills = 0
-    for target in (3, 6):
+    for target in sorted(rng.sample(range(2, STEPS - 3), 2)):  # random points of the run
         while len(sup.progress.steps) < target and not run.done():
             await asyncio.sleep(0.05)
         if victim == "nats-server":
@@ -71,7 +66,7 @@ async def test_part_killed_twice_mid_run(victim: str, tmp_path: Path) -> None:
             assert part.proc is not None and part.proc.poll() is None
             part.proc.send_signal(signal.SIGKILL)
         kills += 1
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(rng.uniform(0.5, 1.5))
     assert await asyncio.wait_for(run, 240) == 0
     assert kills == 2
     restarts = (

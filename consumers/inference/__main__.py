@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
-from pathlib import Path
 
 from jetrl.bus.client import Bus
-from jetrl.bus.runtime import run_process
+from jetrl.bus.runtime import load_settings, run_process
 from jetrl.consumers.inference.worker import InferenceSettings, InferenceWorker
 
 
@@ -20,10 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker-id", required=True)
     ap.add_argument("--settings", default="{}", help="InferenceSettings as JSON, or @path to a JSON file")
     args = ap.parse_args(argv)
-    raw = args.settings
-    settings = InferenceSettings.model_validate(
-        json.loads(Path(raw[1:]).read_text() if raw.startswith("@") else raw)
-    )
+    settings = load_settings(InferenceSettings, args.settings)
 
     async def go(stop: asyncio.Event) -> int:
         bus = await Bus.connect(args.nats_url, name=f"inference-{args.worker_id}")

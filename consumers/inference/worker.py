@@ -26,7 +26,7 @@ from pydantic import BaseModel, Field
 
 from jetrl.bus import events as ev
 from jetrl.bus import subjects
-from jetrl.bus.client import Bus, ConsumerSpec, Delivery
+from jetrl.bus.client import Bus, ConsumerSpec, Delivery, keep_alive
 from jetrl.bus.log import get_logger
 from jetrl.bus.payloads import ObjectStorePayloads, Payloads
 from jetrl.policy.models import build_model, get_config
@@ -152,7 +152,7 @@ class InferenceWorker:
                 stop_token_ids=(self.tok.eos_id,),
             )
             t0 = time.perf_counter()
-            async with _keep_alive([d for d, _ in items], self.s.ack_wait_s / 3):
+            async with keep_alive([d for d, _ in items], self.s.ack_wait_s / 3):
                 gens = await asyncio.to_thread(generate, self.model, prompts, cfg, generator=self.generator)
             gen_s = time.perf_counter() - t0
             self.stats["generate_s"] += gen_s
@@ -281,21 +281,3 @@ class InferenceWorker:
             with contextlib.suppress(Exception):
                 await beat
             self.log.info("inference_worker_stopped", **self.stats)
-
-
-@contextlib.asynccontextmanager
-async def _keep_alive(deliveries: list[Delivery], every: float):
-    async def beat() -> None:
-        while True:
-            await asyncio.sleep(every)
-            for d in deliveries:
-                with contextlib.suppress(Exception):
-                    await d.in_progress()
-
-    task = asyncio.create_task(beat())
-    try:
-        yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task

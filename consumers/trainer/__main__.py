@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 from pathlib import Path
 
 from jetrl.bus.client import Bus
-from jetrl.bus.runtime import run_process
+from jetrl.bus.runtime import load_settings, run_process
 from jetrl.consumers.trainer.trainer import Trainer, TrainerSettings
 
 
@@ -20,10 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", required=True, type=Path)
     ap.add_argument("--settings", default="{}", help="TrainerSettings as JSON, or @path to a JSON file")
     args = ap.parse_args(argv)
-    raw = args.settings
-    settings = TrainerSettings.model_validate(
-        json.loads(Path(raw[1:]).read_text() if raw.startswith("@") else raw)
-    )
+    settings = load_settings(TrainerSettings, args.settings)
 
     async def go(stop: asyncio.Event) -> int:
         bus = await Bus.connect(args.nats_url, name="trainer")
