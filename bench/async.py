@@ -111,6 +111,7 @@ def main() -> None:
         help="groups in flight = this x (1 + k) x batch groups (default: 1, the producer's rule)",
     )
     ap.add_argument("--model", default="tiny-moe")
+    ap.add_argument("--weights-store", default="objstore", choices=["objstore", "file"])
     ap.add_argument("--model-overrides", default="{}", help='TOML inline table, e.g. "{ dim = 256 }"')
     args = ap.parse_args()
     configure(level="warning")
@@ -118,7 +119,14 @@ def main() -> None:
     results: dict[int, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp, EmbeddedServer(Path(tmp) / "nats") as srv:
         for k in modes:
-            model = ["--model.name", args.model, "--model.overrides", args.model_overrides]
+            model = [
+                "--model.name",
+                args.model,
+                "--model.overrides",
+                args.model_overrides,
+                "--bus.weights_store",
+                args.weights_store,
+            ]
             results[k] = run_mode(
                 srv.url,
                 Path(tmp),

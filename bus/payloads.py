@@ -167,6 +167,11 @@ def _atomic_write(path: Path, data: bytes) -> None:
     tmp.replace(path)
 
 
+def weight_stores(directory: str | Path | None, bucket: str) -> list[PayloadStore]:
+    """The extra store a process needs to read weights written to a shared directory."""
+    return [FilePayloads(directory, bucket)] if directory else []
+
+
 # --------------------------------------------------------------------------- codec
 
 

@@ -90,6 +90,9 @@ class EnvSection(_Section):
 class BusSection(_Section):
     max_gib: float = Field(8.0, gt=0)  # the run's log
     payload_max_gib: float = Field(32.0, gt=0)  # the run's payload bucket
+    # Where weights travel: the run's object store (any machine), or files in the run directory
+    # (every process on one filesystem; far faster for weights of tens of MB and more).
+    weights_store: Literal["objstore", "file"] = "objstore"
 
     def limits(self) -> StreamLimits:
         return StreamLimits(

@@ -119,7 +119,11 @@ class Supervisor:
                     ],
                 )
             )
-        inf = self._settings_file("inference", self.cfg.inference_settings())
+        weights_dir = (
+            str((self.run_dir / "payloads").resolve()) if self.cfg.bus.weights_store == "file" else None
+        )
+        inf_settings = self.cfg.inference_settings().model_copy(update={"weights_dir": weights_dir})
+        inf = self._settings_file("inference", inf_settings)
         for i in range(self.cfg.inference.workers):
             parts.append(
                 Part(
@@ -154,7 +158,9 @@ class Supervisor:
                     "--run-dir",
                     str(self.run_dir),
                     "--settings",
-                    self._settings_file("trainer", self.cfg.trainer_settings()),
+                    self._settings_file(
+                        "trainer", self.cfg.trainer_settings().model_copy(update={"weights_dir": weights_dir})
+                    ),
                 ],
                 threads=self.cfg.trainer.threads,
             )

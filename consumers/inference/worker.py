@@ -28,7 +28,7 @@ from jetrl.bus import events as ev
 from jetrl.bus import subjects
 from jetrl.bus.client import Bus, ConsumerSpec, Delivery, keep_alive
 from jetrl.bus.log import get_logger
-from jetrl.bus.payloads import ObjectStorePayloads, Payloads
+from jetrl.bus.payloads import ObjectStorePayloads, Payloads, weight_stores
 from jetrl.policy.models import build_model, get_config
 from jetrl.policy.sampling import SamplingConfig, generate, inference_copy
 from jetrl.policy.tokenizer import CharTokenizer
@@ -45,6 +45,7 @@ class InferenceSettings(BaseModel):
     threads: int = 1
     heartbeat_s: float = 2.0
     ack_wait_s: float = 30.0  # how soon tasks held by a dead worker go to another
+    weights_dir: str | None = None  # where the trainer writes weights, when not the object store
 
 
 class InferenceWorker:
@@ -235,7 +236,8 @@ class InferenceWorker:
 
     async def run(self, stop: asyncio.Event) -> None:
         torch.set_num_threads(self.s.threads)
-        self.payloads = Payloads(await ObjectStorePayloads.for_run(self.bus.js, self.run_id))
+        objstore = await ObjectStorePayloads.for_run(self.bus.js, self.run_id)
+        self.payloads = Payloads(objstore, *weight_stores(self.s.weights_dir, objstore.bucket))
         consumer = await self.bus.consumer(
             ConsumerSpec(
                 run_id=self.run_id,

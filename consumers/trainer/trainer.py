@@ -35,7 +35,7 @@ from jetrl.bus import events as ev
 from jetrl.bus import subjects
 from jetrl.bus.client import Bus, ConsumerSpec, Delivery
 from jetrl.bus.log import get_logger
-from jetrl.bus.payloads import ObjectStorePayloads, Payloads
+from jetrl.bus.payloads import ObjectStorePayloads, Payloads, PayloadStore, weight_stores
 from jetrl.consumers.trainer.core import TrainCore, list_checkpoints
 from jetrl.consumers.trainer.replay import Replayer, ReplayError, read_rollouts, read_run_log, read_withheld
 from jetrl.policy.weights import weights_to_bytes
@@ -61,6 +61,9 @@ class TrainerSettings(BaseModel):
     checkpoint_every: int = 10
     threads: int = 1
     ack_wait_s: float = 30.0  # buffered rollouts are kept alive with in-progress acks
+    # Weights go to this shared directory (a FilePayloads store) instead of the run's object
+    # store: much faster for models past a few MB when every process sees the same filesystem.
+    weights_dir: str | None = None
 
 
 @dataclass
@@ -96,6 +99,7 @@ class Trainer:
         self.withheld_ids: set[str] = set()
         self.groups: dict[str, Group] = {}
         self.payloads: Payloads | None = None
+        self.weights_store: PayloadStore | None = None
         self.rewards: deque[float] = deque(maxlen=settings.reward_window)
         self.withheld = 0
         self.wait_s = 0.0
@@ -169,7 +173,7 @@ class Trainer:
         assert self.payloads is not None
         v = self.version
         data, digest = weights_to_bytes(self.core.model, {"version": str(v), "run": self.run_id})
-        ref = await self.payloads.put_bytes(f"weights-v{v}", data)
+        ref = await self.weights_store.put(f"weights-v{v}", data)
         await self.bus.publish(
             ev.new_event(
                 ev.PolicyVersionPublished(
@@ -348,7 +352,9 @@ class Trainer:
         )
 
     async def run(self, stop: asyncio.Event) -> int:
-        self.payloads = Payloads(await ObjectStorePayloads.for_run(self.bus.js, self.run_id))
+        objstore = await ObjectStorePayloads.for_run(self.bus.js, self.run_id)
+        self.payloads = Payloads(objstore, *weight_stores(self.s.weights_dir, objstore.bucket))
+        self.weights_store = self.payloads.stores["file"] if self.s.weights_dir else objstore
         structlog.contextvars.bind_contextvars(run_id=self.run_id, worker_id="trainer")
         await self.recover()
         consumer = await self.bus.consumer(
