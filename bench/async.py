@@ -1,6 +1,7 @@
 """Synchronous vs asynchronous RL on an environment with long-tailed latency.
 
-Same model, same batch, same environment (modular addition, whose scoring sleeps a lognormal
+Same model (4 layers, dim 256, 8 experts top-2; weights shared through the run directory), same
+batch, same environment (modular addition, whose scoring sleeps a lognormal
 time per rollout: median ``--latency`` seconds, sigma 1.3, so about 1% of episodes take more
 than 20x the median, like sandboxes and tool calls). Each mode is a real `jetrl run` (all
 processes, one private nats-server) for the same wall-clock budget:
@@ -38,45 +39,18 @@ def run_mode(
     model: list[str],
     inflight: int | None = None,
 ) -> dict[str, float]:
-    cfg = load_config(
-        None,
-        [
-            "--run.max_wall_s",
-            str(seconds),
-            "--run.seed",
-            "0",
-            "--trainer.max_off_policy_steps",
-            str(k),
-            "--trainer.max_steps",
-            "100000",
-            "--trainer.batch_groups",
-            "8",
-            "--trainer.lr",
-            "5e-4",
-            "--trainer.entropy_coef",
-            "0.01",
-            "--trainer.checkpoint_every",
-            "0",
-            "--inference.workers",
-            "1",
-            "--inference.max_batch_tasks",
-            "8",
-            "--envs.0.name",
-            "modsum",
-            "--envs.0.group_size",
-            "16",
-            "--envs.0.latency_median_s",
-            str(latency),
-            "--envs.0.latency_sigma",
-            str(sigma),
-            "--store.recorder",
-            "false",
-            "--bus.max_gib",
-            "1",
-            "--bus.payload_max_gib",
-            "1",
-        ],
-    )
+    args = (
+        f"--run.max_wall_s {seconds} --run.seed 0 --trainer.max_off_policy_steps {k} "
+        "--trainer.max_steps 100000 "
+        "--trainer.batch_groups 8 --trainer.lr 5e-4 --trainer.entropy_coef 0.01 --trainer.checkpoint_every 0 "
+        f"--inference.workers {workers} --inference.max_batch_tasks 8 "
+        "--envs.0.name modsum --envs.0.group_size 16 "
+        f"--envs.0.latency_median_s {latency} --envs.0.latency_sigma {sigma} --store.recorder false "
+        "--bus.max_gib 1 --bus.payload_max_gib 1"
+    ).split()
+    if inflight is not None:
+        args += ["--envs.0.inflight_groups", str(inflight * (1 + k) * 8)]
+    cfg = load_config(None, [*args, *model])
     run_id = f"async-k{k}"
     sup = Supervisor(cfg, run_id, root / run_id, nats_url=url, quiet=True)
     asyncio.run(sup.run())
@@ -110,9 +84,16 @@ def main() -> None:
         default=None,
         help="groups in flight = this x (1 + k) x batch groups (default: 1, the producer's rule)",
     )
-    ap.add_argument("--model", default="tiny-moe")
-    ap.add_argument("--weights-store", default="objstore", choices=["objstore", "file"])
-    ap.add_argument("--model-overrides", default="{}", help='TOML inline table, e.g. "{ dim = 256 }"')
+    # A trainer step that is not trivially cheap next to generation (about 0.25 s here), as on
+    # real clusters; with the 2-layer dim-64 demo model the event path, not the trainer, is the
+    # bottleneck on two cores (docs/running.md).
+    ap.add_argument("--model", default="tiny-moe-4l")
+    ap.add_argument("--weights-store", default="file", choices=["objstore", "file"])
+    ap.add_argument(
+        "--model-overrides",
+        default="{ dim = 256, moe_hidden_dim = 512, head_dim = 64 }",
+        help='TOML inline table, e.g. "{ dim = 256 }"',
+    )
     args = ap.parse_args()
     configure(level="warning")
     modes = [int(m) for m in args.modes.split(",")]
