@@ -134,6 +134,8 @@ async def test_multi_turn_episodes_train_as_one_masked_rollout(
             "4",
             "--store.recorder",
             "false",
+            "--bus.weights_store",
+            "file",
             "--bus.max_gib",
             "0.25",
             "--bus.payload_max_gib",
@@ -169,4 +171,9 @@ async def test_multi_turn_episodes_train_as_one_masked_rollout(
     await bus.close()
     steps = [e.body for e in log if isinstance(e.body, ev.StepCompleted)]
     assert [s.step for s in steps] == [0, 1, 2]
+    # Weights went through the run directory, and the workers loaded them from there.
+    ready = [e.body for e in log if isinstance(e.body, ev.WeightsReady)]
+    assert ready and all(r.location.store == "file" for r in ready)
+    assert (tmp_path / run_id / "payloads").is_dir()
+    assert [e for e in log if isinstance(e.body, ev.WeightsLoaded)]
     assert all(len(s.rollout_ids) == 8 for s in steps)
