@@ -1,6 +1,6 @@
 """Opening the store: engine setup per backend and schema migrations (Alembic) on open.
 
-SQLite (the embedded default) is a file in WAL mode so readers (CLI, monitor) never block the
+SQLite (the embedded default) is a file in WAL mode so readers (CLI, supervisor) never block the
 recorder; PostgreSQL is reached by URL through psycopg 3 (``postgresql+psycopg://``).
 """
 

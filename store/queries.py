@@ -1,4 +1,4 @@
-"""Read side of the store, for the rest of jetrl (CLI, monitor, replay, supervisor).
+"""Read side of the store, for the rest of jetrl (CLI, replay, supervisor).
 
 Every function takes a :class:`~jetrl.store.db.Store` or an open ``Connection`` and returns
 plain frozen dataclasses, so callers never depend on the schema's columns directly.
