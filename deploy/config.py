@@ -64,7 +64,8 @@ class InferenceSection(_Section):
 
 
 class EnvSection(_Section):
-    name: str = "modsum"
+    name: str = "modsum"  # the environment's name in subjects, ids and the store
+    kind: str | None = None  # which environment: a built-in or "verifiers"; default: name
     tenant: str = "default"
     group_size: int = Field(16, ge=2)
     share: float = Field(1.0, gt=0)  # relative share of each trainer batch
@@ -83,7 +84,7 @@ class EnvSection(_Section):
     @model_validator(mode="after")
     def _known_env(self) -> EnvSection:
         # Fail at config time, not in a producer that would crash-loop.
-        make_environment(self.name, **self.params)
+        make_environment(self.kind or self.name, **self.params)
         return self
 
 
@@ -156,6 +157,7 @@ class RunConfig(_Section):
             out.append(
                 ProducerSettings(
                     env=e.name,
+                    kind=e.kind,
                     env_params=e.params,
                     tenant=e.tenant,
                     group_size=e.group_size,

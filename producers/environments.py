@@ -64,6 +64,11 @@ class Environment:
         environments score at once."""
         return self.score(info, completion_tokens)
 
+    async def areact(self, info: dict[str, Any], turn: int, completion_tokens: list[int]) -> Score | FollowUp:
+        """What the producer calls: :meth:`react`, unless scoring itself awaits (an adapter
+        to a library whose rewards are coroutines)."""
+        return self.react(info, turn, completion_tokens)
+
     def chance_reward(self) -> float:
         """Expected reward of a uniformly random policy (for progress reports)."""
         return 0.0
@@ -181,8 +186,13 @@ ENVIRONMENTS: dict[str, type[Environment]] = {
 
 
 def make_environment(name: str, tokenizer: CharTokenizer | None = None, **params: Any) -> Environment:
+    if name == "verifiers":  # imported here: verifiers is an optional extra
+        from jetrl.producers.verifiers_env import VerifiersEnv
+
+        return VerifiersEnv(tokenizer, **params)
     try:
         cls = ENVIRONMENTS[name]
     except KeyError:
-        raise KeyError(f"unknown environment {name!r}; built in: {sorted(ENVIRONMENTS)}") from None
+        known = [*sorted(ENVIRONMENTS), "verifiers"]
+        raise KeyError(f"unknown environment {name!r}; known: {known}") from None
     return cls(tokenizer, **params)

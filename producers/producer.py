@@ -36,7 +36,8 @@ from jetrl.producers.environments import Environment, FollowUp, Score, make_envi
 
 
 class ProducerSettings(BaseModel):
-    env: str = "modsum"
+    env: str = "modsum"  # the environment's name in subjects and ids
+    kind: str | None = None  # which environment (make_environment); default: env
     env_params: dict[str, Any] = Field(default_factory=dict)
     tenant: str = "default"
     group_size: int = 16
@@ -69,7 +70,9 @@ class EnvProducer:
         self.s = settings
         subjects.check_token(settings.tenant, "tenant")
         subjects.check_token(settings.env, "env")
-        self.env: Environment = make_environment(settings.env, CharTokenizer(), **settings.env_params)
+        self.env: Environment = make_environment(
+            settings.kind or settings.env, CharTokenizer(), **settings.env_params
+        )
         self.prefix = f"{settings.env}.{settings.tenant}."
         self.tasks: dict[str, dict[str, Any]] = {}  # task_id -> info (for scoring)
         self.submitted = 0
@@ -182,7 +185,7 @@ class EnvProducer:
         if delay:
             async with d.keep_alive(every=10.0):
                 await asyncio.sleep(delay)
-        result = self.env.react(info, g.turn, completion)
+        result = await self.env.areact(info, g.turn, completion)
         episode = info.get(EPISODE_KEY)
         if isinstance(result, FollowUp):
             await self.next_turn(d, g, info, episode, completion, result)
