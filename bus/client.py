@@ -229,10 +229,13 @@ class Bus:
         from_seq: int | None = None,
         filter_subject: str | None = None,
         idle_timeout: float | None = None,
+        to_head: bool = False,
     ) -> AsyncIterator[TailItem]:
-        """Read the run's log in order from ``from_seq`` (default: the start), forever or until
-        ``idle_timeout`` seconds pass with nothing new. Undecodable messages are yielded with
-        ``error`` set rather than skipped, so a reader sees the whole log."""
+        """Read the run's log in order from ``from_seq`` (default: the start), forever, until
+        ``idle_timeout`` seconds pass with nothing new, or (``to_head``) until it has caught up
+        with the log: at the first message after which the server has none pending for this
+        reader, at once when nothing matches. Undecodable messages are yielded with ``error``
+        set rather than skipped, so a reader sees the whole log."""
         subject = filter_subject or subjects.all_subjects(run_id)
         queue: asyncio.Queue[Msg] = asyncio.Queue(maxsize=10_000)
 
@@ -254,6 +257,10 @@ class Bus:
             idle_heartbeat=1.0,
         )
         try:
+            if to_head:
+                info = await sub.consumer_info()
+                if not info.num_pending and not info.delivered.consumer_seq:
+                    return  # nothing matches
             while True:
                 try:
                     msg = await asyncio.wait_for(queue.get(), timeout=idle_timeout)
@@ -267,9 +274,15 @@ class Bus:
                 except ev.EventDecodeError as exc:
                     item = TailItem(meta.sequence.stream, msg.subject, None, exc)
                 yield item
+                if to_head and meta.num_pending == 0:
+                    return
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+
+    async def read_log(self, run_id: str, *, filter_subject: str | None = None) -> list[TailItem]:
+        """What the run's log holds now, in order."""
+        return [item async for item in self.tail(run_id, filter_subject=filter_subject, to_head=True)]
 
     async def last_seq(self, run_id: str) -> int:
         info = await self.js.stream_info(stream_name(run_id))

@@ -223,3 +223,26 @@ async def test_tail_from_any_point(bus: Bus, run_id: str) -> None:
     items = [it async for it in bus.tail(run_id, from_seq=6, idle_timeout=1.0)]
     assert [it.seq for it in items] == [6, 7, 8, 9, 10]
     assert [it.event.body.step for it in items] == [5, 6, 7, 8, 9]  # type: ignore[union-attr]
+
+
+async def test_tail_to_head_ends_where_the_log_ends(bus: Bus, run_id: str) -> None:
+    """`to_head` ends on the last matching message, with no idle wait (none is given: a reader
+    that did not end would hit the bound below), also when the filter's last message is not the
+    log's last, and at once when nothing matches."""
+    for i in range(6):
+        await bus.publish(
+            ev.new_event(ev.StepCompleted(step=i, policy_version=i, rollout_ids=[]), run_id=run_id)
+        )
+        await bus.publish(ev.new_event(ev.RunFinished(status="completed", steps=i), run_id=run_id))
+
+    async def read(**kw: object) -> list[int]:
+        async def go() -> list[int]:
+            return [it.seq async for it in bus.tail(run_id, to_head=True, **kw)]  # type: ignore[arg-type]
+
+        return await asyncio.wait_for(go(), timeout=20)
+
+    assert await read() == list(range(1, 13))
+    assert await read(filter_subject=subjects.step_subject(run_id)) == [1, 3, 5, 7, 9, 11]
+    assert await read(filter_subject=subjects.step_subject(run_id), from_seq=8) == [9, 11]
+    assert await read(filter_subject=subjects.weights_subject(run_id)) == []
+    assert await read(from_seq=13) == []
