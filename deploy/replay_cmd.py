@@ -63,7 +63,7 @@ async def replay(
         replayer = Replayer(core, payloads, log)
         await replayer.start_at(from_step, run_dir / "trainer" if from_step else None)
         needed = {rid for s in range(from_step, last + 1) for rid in log.steps[s][0].rollout_ids}
-        rollouts = await read_rollouts(bus, run_id, needed, log.head)
+        rollouts, _ = await read_rollouts(bus, run_id, needed)
         say(f"replaying run {run_id}: steps {from_step}..{last} ({len(needed)} rollouts), {settings.model}")
         t0 = time.perf_counter()
         shown = [time.monotonic()]

@@ -74,7 +74,7 @@ async def test_replay_verifies_every_step_and_names_a_divergence(
     changed = settings.model_copy(update={"lr": settings.lr * 2})
     replayer = Replayer(TrainCore(changed), Payloads(await ObjectStorePayloads.for_run(bus.js, run_id)), log)
     await replayer.start_at(0)
-    rollouts = await read_rollouts(bus, run_id, set(log.steps[0][0].rollout_ids), log.head)
+    rollouts, _ = await read_rollouts(bus, run_id, set(log.steps[0][0].rollout_ids))
     checks = await replayer.run(rollouts, to_step=0)
     assert len(checks) == 1 and not checks[0].ok
     assert any("trainer.lr" in h for h in divergence_hints(log, changed, {}))

@@ -55,7 +55,7 @@ async def read_run_log(bus: Bus, run_id: str) -> RunLog:
         subjects.policy_subject(run_id),
         subjects.weights_subject(run_id),
     ):
-        async for item in bus.tail(run_id, filter_subject=subject, idle_timeout=1.0):
+        async for item in bus.tail(run_id, filter_subject=subject, to_head=True):
             b = item.event.body if item.event else None
             if isinstance(b, ev.RunStarted) and log.config is None:
                 log.config, log.library_versions = b.config, b.library_versions
@@ -65,42 +65,25 @@ async def read_run_log(bus: Bus, run_id: str) -> RunLog:
                 log.policies.setdefault(b.version, b)
             elif isinstance(b, ev.WeightsReady):
                 log.weights.setdefault(b.version, b)
-            if item.seq >= log.head:
-                break
     return log
 
 
-async def read_rollouts(bus: Bus, run_id: str, ids: set[str], head: int) -> dict[str, ev.RolloutScored]:
-    """The RolloutScored events of ``ids`` (the first of each, as the trainer saw it)."""
-    out: dict[str, ev.RolloutScored] = {}
-    if not ids:
-        return out
-    async for item in bus.tail(run_id, filter_subject=subjects.rollout_subject(run_id), idle_timeout=1.0):
+async def read_rollouts(bus: Bus, run_id: str, ids: set[str]) -> tuple[dict[str, ev.RolloutScored], set[str]]:
+    """In one pass over the rollout subjects: the RolloutScored events of ``ids`` (the first of
+    each, as the trainer saw it), and every rollout the trainer withheld (never to be trained,
+    even if delivered again)."""
+    scored: dict[str, ev.RolloutScored] = {}
+    withheld: set[str] = set()
+    async for item in bus.tail(run_id, filter_subject=subjects.rollout_subject(run_id), to_head=True):
         b = item.event.body if item.event else None
-        if isinstance(b, ev.RolloutScored) and b.rollout_id in ids and b.rollout_id not in out:
-            out[b.rollout_id] = b
-            if len(out) == len(ids):
-                break
-        if item.seq >= head:
-            break
-    missing = ids - set(out)
+        if isinstance(b, ev.RolloutScored) and b.rollout_id in ids:
+            scored.setdefault(b.rollout_id, b)
+        elif isinstance(b, ev.RolloutWithheld):
+            withheld.add(b.rollout_id)
+    missing = ids - set(scored)
     if missing:
         raise ReplayError(f"{len(missing)} trained rollouts are not in the log, e.g. {sorted(missing)[:3]}")
-    return out
-
-
-async def read_withheld(bus: Bus, run_id: str, head: int) -> set[str]:
-    """Rollouts the trainer withheld: never to be trained, even if delivered again."""
-    out: set[str] = set()
-    if not head:
-        return out
-    async for item in bus.tail(run_id, filter_subject=subjects.rollout_subject(run_id), idle_timeout=1.0):
-        b = item.event.body if item.event else None
-        if isinstance(b, ev.RolloutWithheld):
-            out.add(b.rollout_id)
-        if item.seq >= head:
-            break
-    return out
+    return scored, withheld
 
 
 @dataclass(frozen=True)

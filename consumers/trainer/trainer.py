@@ -37,7 +37,7 @@ from jetrl.bus.client import Bus, ConsumerSpec, Delivery
 from jetrl.bus.log import get_logger
 from jetrl.bus.payloads import ObjectStorePayloads, Payloads, PayloadStore, weight_stores
 from jetrl.consumers.trainer.core import TrainCore, list_checkpoints
-from jetrl.consumers.trainer.replay import Replayer, ReplayError, read_rollouts, read_run_log, read_withheld
+from jetrl.consumers.trainer.replay import Replayer, ReplayError, read_rollouts, read_run_log
 from jetrl.policy.weights import weights_to_bytes
 
 
@@ -101,7 +101,6 @@ class Trainer:
         self.payloads: Payloads | None = None
         self.weights_store: PayloadStore | None = None
         self.rewards: deque[float] = deque(maxlen=settings.reward_window)
-        self.withheld = 0
         self.wait_s = 0.0
         self.started = time.monotonic()
         self.log = get_logger(__name__, run_id=run_id, worker_id="trainer")
@@ -119,7 +118,6 @@ class Trainer:
             self.log.info("initial_policy_published", version=0)
             return
         self.trained = log.trained_ids()
-        self.withheld_ids = await read_withheld(self.bus, self.run_id, log.head)
         for step in sorted(log.steps)[-self.s.reward_window :]:
             self.rewards.append(log.steps[step][0].metrics.get("reward_mean", 0.0))
         replayer = Replayer(self.core, self.payloads, log)
@@ -145,7 +143,7 @@ class Trainer:
             for rid in body.rollout_ids
         }
         t0 = time.perf_counter()
-        rollouts = await read_rollouts(self.bus, self.run_id, needed, log.head)
+        rollouts, self.withheld_ids = await read_rollouts(self.bus, self.run_id, needed)
         checks = await replayer.run(rollouts)
         bad = [c for c in checks if not c.ok]
         if bad:
@@ -245,7 +243,6 @@ class Trainer:
                 )
             )
             await d.ack()
-        self.withheld += len(group.deliveries)
         self.withheld_ids.update(d.event.body.rollout_id for d in group.deliveries)  # type: ignore[attr-defined]
         self.log.info("group_withheld", group_id=group.group_id, reason=reason, detail=detail)
 
@@ -280,7 +277,7 @@ class Trainer:
             staleness_max=float(max(stale)),
             trainer_wait_s=wait_s,
             trainer_idle_frac=self.wait_s / elapsed if elapsed > 0 else 0.0,
-            withheld_total=float(self.withheld),
+            withheld_total=float(len(self.withheld_ids)),
             groups=float(len(groups)),
             **{f"reward_{k}": sum(v) / len(v) for k, v in parts.items()},
         )
@@ -400,7 +397,7 @@ class Trainer:
         self.log.info(
             "trainer_finished",
             version=self.version,
-            withheld=self.withheld,
+            withheld=len(self.withheld_ids),
             idle_frac=round(self.wait_s / max(time.monotonic() - self.started, 1e-9), 3),
         )
         return 0
