@@ -40,15 +40,10 @@ ACK_WAIT = 3.0
 
 async def read_log(url: str, run_id: str) -> list[ev.Event]:
     bus = await Bus.connect(url)
-    head = await bus.last_seq(run_id)
-    out = []
-    async for item in bus.tail(run_id, idle_timeout=3.0):
-        if item.event is not None:
-            out.append(item.event)
-        if item.seq >= head:
-            break
-    await bus.close()
-    return out
+    try:
+        return [item.event for item in await bus.read_log(run_id) if item.event is not None]
+    finally:
+        await bus.close()
 
 
 async def deliverable_to_trainer(url: str, run_id: str) -> set[str]:

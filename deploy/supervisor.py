@@ -197,14 +197,8 @@ class Supervisor:
 
     async def already_started(self, bus: Bus) -> bool:
         """A resumed run keeps its first RunStarted (and the config recorded there)."""
-        if not await bus.last_seq(self.run_id):
-            return False
-        async for item in bus.tail(
-            self.run_id, filter_subject=subjects.run_subject(self.run_id), idle_timeout=1.0
-        ):
-            if item.event and isinstance(item.event.body, ev.RunStarted):
-                return True
-        return False
+        items = await bus.read_log(self.run_id, filter_subject=subjects.run_subject(self.run_id))
+        return any(item.event and isinstance(item.event.body, ev.RunStarted) for item in items)
 
     def check_server(self) -> None:
         """The embedded nats-server is a part too: restarted on its port and files, where

@@ -98,18 +98,13 @@ class EnvProducer:
 
     async def catch_up(self) -> None:
         """Tasks this producer submitted before a restart (their answers are needed to score)."""
-        head = await self.bus.last_seq(self.run_id)
-        if not head:
-            return
         subj = subjects.task_subject(self.run_id, self.s.tenant, self.s.env)
-        async for item in self.bus.tail(self.run_id, filter_subject=subj, idle_timeout=1.0):
+        async for item in self.bus.tail(self.run_id, filter_subject=subj, to_head=True):
             b = item.event.body if item.event else None
             if isinstance(b, ev.TaskSubmitted):
                 self.tasks[b.task_id] = b.info
                 if b.turn == 0:  # later turns belong to a group already counted
                     self.submitted = max(self.submitted, int(b.task_id.rsplit(".", 1)[1]) + 1)
-            if item.seq >= head:
-                break
 
     async def watch_steps(self) -> None:
         async for item in self.bus.tail(self.run_id, filter_subject=subjects.step_subject(self.run_id)):

@@ -148,11 +148,11 @@ def test_untrainable_tasksets_are_refused(tmp_path: Path, monkeypatch: pytest.Mo
 async def test_a_short_run_trains_on_a_verifiers_taskset(nats_server, tmp_path: Path) -> None:
     """All processes, a real nats-server: the verifiers taskset's rewards reach the trainer."""
     from jetrl.bus import events as ev
-    from jetrl.bus.client import Bus
     from jetrl.deploy.config import load_config
     from jetrl.deploy.supervisor import Supervisor
     from jetrl.store import queries
     from jetrl.store.db import open_store
+    from tests.test_run_e2e import read_log
 
     steps = 3
     cfg = load_config(
@@ -167,15 +167,7 @@ async def test_a_short_run_trains_on_a_verifiers_taskset(nats_server, tmp_path: 
     sup = Supervisor(cfg, run_id, tmp_path / run_id, nats_url=nats_server.url, quiet=True)
     assert await sup.run() == 0
 
-    bus = await Bus.connect(nats_server.url)
-    head = await bus.last_seq(run_id)
-    log = []
-    async for item in bus.tail(run_id, idle_timeout=3.0):
-        assert item.event is not None
-        log.append(item.event)
-        if item.seq >= head:
-            break
-    await bus.close()
+    log = await read_log(nats_server.url, run_id)
     tasks = {e.body.task_id: e.body for e in log if isinstance(e.body, ev.TaskSubmitted)}
     assert tasks and all(t.env == "vf-reverse" and TASK_KEY in t.info for t in tasks.values())
     scored = [e.body for e in log if isinstance(e.body, ev.RolloutScored)]
