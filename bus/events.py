@@ -334,6 +334,13 @@ def new_event_id() -> str:
     return uuid.uuid4().hex
 
 
+def derived_id(run_id: str, what: str) -> str:
+    """The event id of a fact named by what it is about (``step/12``, ``task/<id>``): the same
+    fact published twice, by a retry or a restarted process, gets the same id, and the stream's
+    duplicate window drops the second copy."""
+    return uuid.uuid5(uuid.NAMESPACE_URL, f"{run_id}/{what}").hex
+
+
 def new_event(
     body: EventBody,
     *,

@@ -20,7 +20,6 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,10 +61,6 @@ class Progress:
     started: float = field(default_factory=time.monotonic)
     last_print: float = 0.0
     first_reward: float | None = None
-
-
-def _eid(run_id: str, what: str) -> str:
-    return uuid.uuid5(uuid.NAMESPACE_URL, f"{run_id}/{what}").hex
 
 
 class Supervisor:
@@ -315,7 +310,7 @@ class Supervisor:
                             library_versions=_versions(),
                         ),
                         run_id=self.run_id,
-                        event_id=_eid(self.run_id, "started"),
+                        event_id=ev.derived_id(self.run_id, "started"),
                     )
                 )
             self.say(
@@ -367,7 +362,7 @@ class Supervisor:
                     ev.new_event(
                         ev.RunFinished(status=status, steps=steps, reason=reason),  # type: ignore[arg-type]
                         run_id=self.run_id,
-                        event_id=_eid(self.run_id, f"finished/{status}/{steps}"),
+                        event_id=ev.derived_id(self.run_id, f"finished/{status}/{steps}"),
                     )
                 )
             head = await bus.last_seq(self.run_id)

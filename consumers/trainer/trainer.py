@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import math
 import time
-import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,10 +80,6 @@ class Group:
 
     def oldest_version(self) -> int:
         return min(d.event.body.policy_version_start for d in self.deliveries)  # type: ignore[attr-defined]
-
-
-def _eid(run_id: str, what: str) -> str:
-    return uuid.uuid5(uuid.NAMESPACE_URL, f"{run_id}/{what}").hex
 
 
 class Trainer:
@@ -178,14 +173,14 @@ class Trainer:
                     version=v, step=v, weights_checksum=digest, parent_version=v - 1 if v else None
                 ),
                 run_id=self.run_id,
-                event_id=_eid(self.run_id, f"policy/{v}"),
+                event_id=ev.derived_id(self.run_id, f"policy/{v}"),
             )
         )
         ack = await self.bus.publish(
             ev.new_event(
                 ev.WeightsReady(version=v, location=ref, weights_checksum=digest),
                 run_id=self.run_id,
-                event_id=_eid(self.run_id, f"weights/{v}"),
+                event_id=ev.derived_id(self.run_id, f"weights/{v}"),
             )
         )
         return int(ack.seq)
@@ -214,7 +209,7 @@ class Trainer:
                     duration_s=duration_s,
                 ),
                 run_id=self.run_id,
-                event_id=_eid(self.run_id, f"step/{step}"),
+                event_id=ev.derived_id(self.run_id, f"step/{step}"),
             )
         )
         await self.announce_version()
@@ -239,7 +234,7 @@ class Trainer:
                     run_id=self.run_id,
                     tenant=d.event.tenant,
                     causation_id=d.event.event_id,
-                    event_id=_eid(self.run_id, f"withheld/{b.rollout_id}"),
+                    event_id=ev.derived_id(self.run_id, f"withheld/{b.rollout_id}"),
                 )
             )
             await d.ack()
