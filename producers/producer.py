@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import math
 import random
-import uuid
 from typing import Any
 
 import numpy as np
@@ -131,34 +130,41 @@ class EnvProducer:
         rng = random.Random(self.s.seed * 7919 + self.submitted)
         while not stop.is_set():
             while self.outstanding < self.window and not stop.is_set():
-                n = self.submitted
                 task = self.env.make_task(rng)
-                task_id = f"{self.prefix}{n}"
-                info = {**task.info, "max_tokens": task.max_tokens}
-                body = ev.TaskSubmitted(
-                    task_id=task_id,
-                    env=self.s.env,
+                await self.hand_out(
+                    f"{self.prefix}{self.submitted}",
                     group_size=self.s.group_size,
                     prompt_tokens=task.prompt_tokens,
                     prompt_text=task.prompt_text,
                     max_tokens=task.max_tokens,
-                    info=info,
-                    min_policy_version=self.trainer_version,
-                    temperature=self.s.temperature,
-                )
-                self.tasks[task_id] = info
-                await self.bus.publish(
-                    ev.new_event(
-                        body,
-                        run_id=self.run_id,
-                        tenant=self.s.tenant,
-                        event_id=uuid.uuid5(uuid.NAMESPACE_URL, f"{self.run_id}/task/{task_id}").hex,
-                    )
+                    info={**task.info, "max_tokens": task.max_tokens},
                 )
                 self.submitted += 1
             self.changed.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.changed.wait(), timeout=1.0)
+
+    async def hand_out(self, task_id: str, *, cause: ev.Event | None = None, **fields: Any) -> None:
+        """Publish one model turn as a TaskSubmitted (its id derived from the task's, so a
+        restarted producer that hands it out again is deduplicated) and keep its info to score
+        the answers."""
+        body = ev.TaskSubmitted(
+            task_id=task_id,
+            env=self.s.env,
+            min_policy_version=self.trainer_version,
+            temperature=self.s.temperature,
+            **fields,
+        )
+        self.tasks[task_id] = body.info
+        await self.bus.publish(
+            ev.new_event(
+                body,
+                run_id=self.run_id,
+                tenant=cause.tenant if cause else self.s.tenant,
+                causation_id=cause.event_id if cause else None,
+                event_id=ev.derived_id(self.run_id, f"task/{task_id}"),
+            )
+        )
 
     # ---------------------------------------------------------------- scores in
 
@@ -211,7 +217,7 @@ class EnvProducer:
                 run_id=self.run_id,
                 tenant=d.event.tenant,
                 causation_id=d.event.event_id,
-                event_id=uuid.uuid5(uuid.NAMESPACE_URL, f"{self.run_id}/scored/{d.event.event_id}").hex,
+                event_id=ev.derived_id(self.run_id, f"scored/{d.event.event_id}"),
             )
         )
         self.scored += 1
@@ -250,30 +256,16 @@ class EnvProducer:
             "logprobs": [*episode["logprobs"], *logprobs, *([0.0] * len(follow))],
             "version_start": min(int(episode["version_start"]), g.policy_version_start),
         }
-        task_id = f"{g.generation_id}.t{g.turn + 1}"
-        next_info = {**info, **reply.info, EPISODE_KEY: episode}
-        body = ev.TaskSubmitted(
-            task_id=task_id,
-            env=self.s.env,
+        await self.hand_out(
+            f"{g.generation_id}.t{g.turn + 1}",
             group_size=1,
             prompt_tokens=[*episode["prompt"], *episode["completion"]],
             prompt_text=reply.text,
             max_tokens=episode["max_tokens"] or 8,
-            info=next_info,
+            info={**info, **reply.info, EPISODE_KEY: episode},
             episode_id=episode["task_id"],
             turn=g.turn + 1,
-            min_policy_version=self.trainer_version,
-            temperature=self.s.temperature,
-        )
-        self.tasks[task_id] = next_info
-        await self.bus.publish(
-            ev.new_event(
-                body,
-                run_id=self.run_id,
-                tenant=d.event.tenant,
-                causation_id=d.event.event_id,
-                event_id=uuid.uuid5(uuid.NAMESPACE_URL, f"{self.run_id}/task/{task_id}").hex,
-            )
+            cause=d.event,
         )
 
     async def episode_rollout(
@@ -292,7 +284,7 @@ class EnvProducer:
         mask = [*episode["mask"], *([1] * len(completion))]
         lps = [*episode["logprobs"], *logprobs]
         rid = f"{episode['group_id']}-{episode['sample_index']}"
-        name = uuid.uuid5(uuid.NAMESPACE_URL, f"{self.run_id}/episode/{rid}").hex
+        name = ev.derived_id(self.run_id, f"episode/{rid}")
         return ev.RolloutScored(
             rollout_id=rid,
             generation_event_id=d.event.event_id,
