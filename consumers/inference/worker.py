@@ -99,29 +99,23 @@ class InferenceWorker:
             ev.new_event(
                 ev.WeightsLoaded(version=ready.version, worker_id=self.worker_id, load_s=load_s),
                 run_id=self.run_id,
-                event_id=uuid.uuid5(
-                    uuid.NAMESPACE_URL, f"{self.run_id}/loaded/{self.worker_id}/{ready.version}"
-                ).hex,
+                event_id=ev.derived_id(self.run_id, f"loaded/{self.worker_id}/{ready.version}"),
             )
         )
         self.log.info("weights_loaded", version=ready.version, load_s=round(load_s, 3))
 
     async def wait_for_version(self, version: int, deliveries: list[Delivery], stop: asyncio.Event) -> bool:
         """Block until weights >= ``version`` are loaded, keeping the tasks' leases alive."""
-        last_beat = time.monotonic()
-        while self.loaded_version is None or self.loaded_version < version:
-            if stop.is_set():
-                return False
-            await self.load_latest()
-            if self.loaded_version is not None and self.loaded_version >= version:
-                break
-            self.new_weights.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.new_weights.wait(), timeout=1.0)
-            if time.monotonic() - last_beat > self.s.ack_wait_s / 3:
-                for d in deliveries:
-                    await d.in_progress()
-                last_beat = time.monotonic()
+        async with keep_alive(deliveries, self.s.ack_wait_s / 3):
+            while self.loaded_version is None or self.loaded_version < version:
+                if stop.is_set():
+                    return False
+                await self.load_latest()
+                if self.loaded_version is not None and self.loaded_version >= version:
+                    break
+                self.new_weights.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.new_weights.wait(), timeout=1.0)
         return True
 
     # ---------------------------------------------------------------- generation
@@ -142,6 +136,7 @@ class InferenceWorker:
         for d, t in tasks:
             assert isinstance(t, ev.TaskSubmitted)
             by_cfg.setdefault((t.temperature, t.max_tokens), []).append((d, t))
+        assert self.payloads is not None
         pub = self.bus.publisher(max_inflight=256)
         self.busy = True
         for (temperature, max_tokens), items in by_cfg.items():
@@ -160,11 +155,17 @@ class InferenceWorker:
             k = 0
             for d, t in items:
                 queued = max(0.0, time.time() - d.event.time)
+                # The group shares its prompt: stored once per task, referenced by every sample.
+                prompt = await self.payloads.put_array(
+                    f"prompt-{d.event.event_id}", np.asarray(gens[k].prompt_ids, dtype=np.int32)
+                )
                 for i in range(t.group_size):
                     g = gens[k]
                     k += 1
                     await pub.publish(
-                        await self._completion_event(d.event, t, i, g, version, queued, gen_s, load_wait)
+                        await self._completion_event(
+                            d.event, t, i, g, prompt, version, queued, gen_s, load_wait
+                        )
                     )
                     self.stats["samples"] += 1
                     self.stats["tokens"] += len(g.completion_ids)
@@ -180,6 +181,7 @@ class InferenceWorker:
         t: ev.TaskSubmitted,
         i: int,
         g: Any,
+        prompt: ev.ArrayRef,
         version: int,
         queued: float,
         gen_s: float,
@@ -187,7 +189,7 @@ class InferenceWorker:
     ) -> ev.Event:
         assert self.payloads is not None
         gen_id = f"{t.task_id}-{i}"
-        eid = uuid.uuid5(uuid.NAMESPACE_URL, f"{self.run_id}/gen/{task_event.event_id}/{i}").hex
+        eid = ev.derived_id(self.run_id, f"gen/{task_event.event_id}/{i}")
         trace = None
         if g.routing is not None:
             trace = await self.payloads.put_array(f"trace-{eid}", g.routing.numpy())
@@ -198,9 +200,7 @@ class InferenceWorker:
             group_id=t.task_id,
             sample_index=i,
             group_size=t.group_size,
-            prompt_tokens=await self.payloads.put_array(
-                f"prompt-{eid}", np.asarray(g.prompt_ids, dtype=np.int32)
-            ),
+            prompt_tokens=prompt,
             completion_tokens=await self.payloads.put_array(
                 f"tokens-{eid}", np.asarray(g.completion_ids, dtype=np.int32)
             ),
