@@ -6,6 +6,7 @@ Each process receives only its own settings (trainer, inference, producer), deri
 
 from __future__ import annotations
 
+import contextlib
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -225,3 +226,15 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         return RunConfig.model_validate(data)
     except Exception as exc:
         raise ConfigError(f"invalid run config: {exc}") from None
+
+
+def library_versions() -> dict[str, str]:
+    """The versions a run records in RunStarted, which replay compares with its own: the
+    libraries whose changes can change a step's numbers."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("torch", "torchtitan", "nats-py", "msgspec", "sqlalchemy", "verifiers"):
+        with contextlib.suppress(PackageNotFoundError):
+            out[pkg] = version(pkg)
+    return out

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import time
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from jetrl.consumers.trainer.replay import (
     read_rollouts,
     read_run_log,
 )
-from jetrl.deploy.config import RunConfig
+from jetrl.deploy.config import RunConfig, library_versions
 
 
 async def replay(
@@ -81,7 +80,7 @@ async def replay(
             c = bad[0]
             say(f"DIVERGED at step {c.step}: weights checksum {c.got} but the log recorded {c.expected}")
             say("what differs between the recorded run and this replay:")
-            for hint in divergence_hints(log, settings, _current_versions()):
+            for hint in divergence_hints(log, settings, library_versions()):
                 say(f"  - {hint}")
             return 1
         unverified = sum(1 for c in checks if c.expected is None)
@@ -96,16 +95,6 @@ async def replay(
         return 2
     finally:
         await bus.close()
-
-
-def _current_versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for pkg in ("torch", "torchtitan", "nats-py", "msgspec", "sqlalchemy"):
-        with contextlib.suppress(PackageNotFoundError):
-            out[pkg] = version(pkg)
-    return out
 
 
 def main(args: argparse.Namespace) -> int:

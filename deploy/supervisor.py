@@ -30,7 +30,7 @@ from jetrl.bus import subjects
 from jetrl.bus.client import Bus
 from jetrl.bus.log import get_logger
 from jetrl.bus.server import EmbeddedServer
-from jetrl.deploy.config import RunConfig
+from jetrl.deploy.config import RunConfig, library_versions
 from jetrl.store import queries
 from jetrl.store.db import open_store
 
@@ -307,7 +307,7 @@ class Supervisor:
                             config=self.cfg.model_dump(mode="json"),
                             code_version=__version__,
                             host=socket.gethostname(),
-                            library_versions=_versions(),
+                            library_versions=library_versions(),
                         ),
                         run_id=self.run_id,
                         event_id=ev.derived_id(self.run_id, "started"),
@@ -448,13 +448,3 @@ def plot_rewards(steps: list[dict[str, float]], path: Path, title: str) -> Path:
     fig.savefig(path)
     plt.close(fig)
     return path
-
-
-def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for pkg in ("torch", "torchtitan", "nats-py", "msgspec", "sqlalchemy"):
-        with contextlib.suppress(PackageNotFoundError):
-            out[pkg] = version(pkg)
-    return out
