@@ -37,6 +37,8 @@ def check_token(value: str, what: str) -> str:
         return value
     if not _TOKEN.match(value):
         raise InvalidName(f"{what} {value!r} is not a valid subject token: use 1-64 of A-Z a-z 0-9 _ -")
+    if len(_valid) < 4096:  # bounded: a process that sees many run ids must not grow forever
+        _valid.add(value)
     return value
 
 
