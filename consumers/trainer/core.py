@@ -95,7 +95,7 @@ class TrainCore:
         rename): a crash mid-write leaves only a temp file, which is never resumed from."""
         directory.mkdir(parents=True, exist_ok=True)
         digest = self.checksum()
-        path = directory / f"ckpt-v{version:08d}.pt"
+        path = checkpoint_path(directory, version)
         tmp = directory / f".{path.name}.{os.getpid()}.tmp"
         state = {
             "format": CHECKPOINT_FORMAT,
@@ -128,16 +128,14 @@ class TrainCore:
         return Checkpoint(int(state["version"]), digest, int(state["log_seq"]), path)
 
 
+def checkpoint_path(directory: Path, version: int) -> Path:
+    return directory / f"ckpt-v{version:08d}.pt"
+
+
+def checkpoint_version(path: Path) -> int:
+    return int(path.stem.removeprefix("ckpt-v"))
+
+
 def list_checkpoints(directory: Path) -> list[Path]:
     """Complete checkpoints, newest first (temp files of an interrupted write are ignored)."""
     return sorted(directory.glob("ckpt-v*.pt"), reverse=True)
-
-
-def group_runs(bodies: Sequence[ev.RolloutScored]) -> list[list[ev.RolloutScored]]:
-    out: list[list[ev.RolloutScored]] = []
-    for b in bodies:
-        if out and out[-1][0].group_id == b.group_id:
-            out[-1].append(b)
-        else:
-            out.append([b])
-    return out

@@ -18,7 +18,7 @@ from jetrl.bus import events as ev
 from jetrl.bus import subjects
 from jetrl.bus.client import Bus
 from jetrl.bus.payloads import Payloads
-from jetrl.consumers.trainer.core import Checkpoint, TrainCore, list_checkpoints
+from jetrl.consumers.trainer.core import Checkpoint, TrainCore, checkpoint_path
 from jetrl.policy.weights import load_into, weights_from_bytes
 
 
@@ -108,13 +108,11 @@ class Replayer:
         """Put the core at ``version``: from a checkpoint at exactly that version when one is
         given and found, else (version 0 only) from the logged initial weights and a fresh
         optimizer, which is how the live trainer began."""
-        if checkpoint_dir is not None:
-            for path in list_checkpoints(checkpoint_dir):
-                if path.name == f"ckpt-v{version:08d}.pt":
-                    ck = self.core.load_checkpoint(path)
-                    self._check_version(version, ck.weights_checksum, f"checkpoint {path.name}")
-                    self.version = version
-                    return ck
+        if checkpoint_dir is not None and (path := checkpoint_path(checkpoint_dir, version)).exists():
+            ck = self.core.load_checkpoint(path)
+            self._check_version(version, ck.weights_checksum, f"checkpoint {path.name}")
+            self.version = version
+            return ck
         if version != 0:
             raise ReplayError(
                 f"no checkpoint at version {version}; replay from step 0 or from a checkpointed step"

@@ -35,7 +35,7 @@ from jetrl.bus import subjects
 from jetrl.bus.client import Bus, ConsumerSpec, Delivery
 from jetrl.bus.log import get_logger
 from jetrl.bus.payloads import ObjectStorePayloads, Payloads, PayloadStore, weight_stores
-from jetrl.consumers.trainer.core import TrainCore, list_checkpoints
+from jetrl.consumers.trainer.core import TrainCore, checkpoint_version, list_checkpoints
 from jetrl.consumers.trainer.replay import Replayer, ReplayError, read_rollouts, read_run_log
 from jetrl.policy.weights import weights_to_bytes
 
@@ -118,7 +118,7 @@ class Trainer:
         replayer = Replayer(self.core, self.payloads, log)
         start: int | None = None
         for path in list_checkpoints(self.ckpt_dir):
-            v = int(path.stem.removeprefix("ckpt-v"))
+            v = checkpoint_version(path)
             if v > log.last_step + 1:
                 continue  # newer than the log (the log is the truth): unusable
             try:
@@ -163,7 +163,7 @@ class Trainer:
     async def announce_version(self) -> int:
         """Make the current weights readable, then say so: PolicyVersionPublished and
         WeightsReady. Both event ids derive from the version, so a repeat is stored once."""
-        assert self.payloads is not None
+        assert self.weights_store is not None
         v = self.version
         data, digest = weights_to_bytes(self.core.model, {"version": str(v), "run": self.run_id})
         ref = await self.weights_store.put(f"weights-v{v}", data)
@@ -365,16 +365,16 @@ class Trainer:
         while not stop.is_set() and not self.done():
             for d in await consumer.fetch(256, timeout=0.2):
                 await self.admit(consumer, d)
+            ready = []
             for g in self.ready_groups():
                 staleness = self.version - g.oldest_version()
-                if staleness > self.s.max_off_policy_steps:
-                    del self.groups[g.group_id]
-                    await self.withhold(
-                        g,
-                        "stale",
-                        f"staleness {staleness} > max_off_policy_steps {self.s.max_off_policy_steps}",
-                    )
-            ready = self.ready_groups()
+                if staleness <= self.s.max_off_policy_steps:
+                    ready.append(g)
+                    continue
+                del self.groups[g.group_id]
+                await self.withhold(
+                    g, "stale", f"staleness {staleness} > max_off_policy_steps {self.s.max_off_policy_steps}"
+                )
             if len(ready) >= self.s.batch_groups:
                 batch = ready[: self.s.batch_groups]
                 for g in batch:
