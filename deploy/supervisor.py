@@ -60,7 +60,6 @@ class Progress:
     steps: list[dict[str, float]] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
     last_print: float = 0.0
-    first_reward: float | None = None
 
 
 class Supervisor:
@@ -262,8 +261,6 @@ class Supervisor:
                 continue
             m = dict(b.metrics, step=b.step, tokens=b.tokens, t=time.monotonic() - self.progress.started)
             self.progress.steps.append(m)
-            if self.progress.first_reward is None:
-                self.progress.first_reward = m.get("reward_mean", 0.0)
             now = time.monotonic()
             if now - self.progress.last_print >= 2.0 or b.step == self.cfg.trainer.max_steps - 1:
                 self.progress.last_print = now
@@ -395,7 +392,7 @@ class Supervisor:
         if steps:
             last = steps[-10:]
             summary.update(
-                reward_first=round(self.progress.first_reward or 0.0, 4),
+                reward_first=round(steps[0].get("reward_mean", 0.0), 4),
                 reward_last10=round(sum(s.get("reward_mean", 0.0) for s in last) / len(last), 4),
                 exact_last10=round(sum(s.get("reward_exact", 0.0) for s in last) / len(last), 4),
                 wall_s=round(steps[-1]["t"], 1),
