@@ -526,6 +526,19 @@ class ConsumerStats:
     by_reason: dict[str, int] = field(default_factory=dict)
 
 
+def spoofed(run_id: str, subject: str, event: ev.Event, *, check_tenant: bool = True) -> str | None:
+    """Why ``event``, read on ``subject`` of run ``run_id``'s log, is not a fact of that run
+    (its envelope names another run, or another tenant than the subject), else None. Consumers
+    dead-letter such events; a reader of the log that does not consume skips them the same way."""
+    if event.run_id != run_id:
+        return f"envelope run {event.run_id!r} on run {run_id!r}"
+    if check_tenant:
+        sub_tenant = subjects.tenant_of(subject)
+        if sub_tenant is not None and sub_tenant != event.tenant:
+            return f"envelope tenant {event.tenant!r} published under tenant {sub_tenant!r}"
+    return None
+
+
 class PullConsumer:
     def __init__(self, bus: Bus, spec: ConsumerSpec, sub: JetStreamContext.PullSubscription) -> None:
         self.bus = bus
@@ -533,6 +546,9 @@ class PullConsumer:
         self.sub = sub
         self.stats = ConsumerStats()
         self.log = log.bind(run_id=spec.run_id, consumer=spec.durable)
+        # Called with the stream sequence of each message once its dead letter is stored and
+        # the message acked (the recorder moves its tracking row past it).
+        self.on_dead_letter: Callable[[int], None] | None = None
 
     async def fetch(self, batch: int = 64, timeout: float = 1.0) -> list[Delivery]:
         """Fetch up to ``batch`` events. Poison messages (undecodable, spoofed, delivered too
@@ -577,21 +593,9 @@ class PullConsumer:
         except ev.EventDecodeError as exc:
             await self._dead_letter_msg(msg, exc.reason, str(exc))
             return None
-        if event.run_id != self.spec.run_id:
-            await self._dead_letter_msg(
-                msg, "spoofed", f"envelope run {event.run_id!r} on run {self.spec.run_id!r}", event
-            )
+        if spoof := spoofed(self.spec.run_id, msg.subject, event, check_tenant=self.spec.check_tenant):
+            await self._dead_letter_msg(msg, "spoofed", spoof, event)
             return None
-        if self.spec.check_tenant:
-            sub_tenant = subjects.tenant_of(msg.subject)
-            if sub_tenant is not None and sub_tenant != event.tenant:
-                await self._dead_letter_msg(
-                    msg,
-                    "spoofed",
-                    f"envelope tenant {event.tenant!r} published under tenant {sub_tenant!r}",
-                    event,
-                )
-                return None
         if n > self.spec.max_deliver:
             # Delivered more often than allowed without being settled (e.g. it crashes its
             # handler's process every time): park it instead of looping forever.
@@ -635,6 +639,8 @@ class PullConsumer:
         self.stats.dead_lettered += 1
         self.stats.by_reason[reason] = self.stats.by_reason.get(reason, 0) + 1
         self.log.warning("dead_lettered", seq=seq, reason=reason, detail=detail[:300], subject=msg.subject)
+        if self.on_dead_letter is not None:
+            self.on_dead_letter(seq)
 
     async def settle_failure(self, d: Delivery, exc: BaseException) -> None:
         """After a handler error: retry later with backoff, or dead-letter once exhausted."""

@@ -22,12 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import nats.js.errors
-from nats.aio.msg import Msg
 from nats.js import api
 
-from jetrl.bus import events as ev
 from jetrl.bus import subjects
-from jetrl.bus.client import Bus, ConsumerSpec, Delivery, PullConsumer
+from jetrl.bus.client import Bus, ConsumerSpec, Delivery, PullConsumer, spoofed
 from jetrl.bus.log import get_logger
 from jetrl.bus.streams import stream_name
 from jetrl.store.db import Store
@@ -60,33 +58,6 @@ class RecorderStats:
     # Seconds from an event's arrival in the log to the commit that recorded it (per batch, the
     # oldest event in it): what the bench's lag percentiles are made of.
     commit_lag_s: list[float] = field(default_factory=list)
-
-
-class _TrackingConsumer(PullConsumer):
-    """A PullConsumer that also remembers the sequences it dead-lettered while fetching, so the
-    tracking row can move past a poisoned message instead of dead-lettering it again."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.poisoned: list[int] = []
-
-    async def _dead_letter_msg(
-        self, msg: Msg, reason: str, detail: str, event: ev.Event | None = None
-    ) -> None:
-        await super()._dead_letter_msg(msg, reason, detail, event)
-        # Only after the dead letter is published (and acked by the stream) is it safe to skip.
-        self.poisoned.append(msg.metadata.sequence.stream)
-
-
-def admissible(run_id: str, subject: str, event: ev.Event) -> str | None:
-    """The bus consumer's admission rules, for a replay that reads the log without it: the
-    reason an event would have been dead-lettered, or None."""
-    if event.run_id != run_id:
-        return "spoofed"
-    tenant = subjects.tenant_of(subject)
-    if tenant is not None and tenant != event.tenant:
-        return "spoofed"
-    return None
 
 
 class Recorder:
@@ -128,7 +99,8 @@ class Recorder:
         # a thread only adds contention (measured: ~10% slower), so it runs inline by default.
         self.db_thread = store.backend != "sqlite" if db_thread is None else db_thread
         self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"recorder-{run_id}")
-        self._consumer: _TrackingConsumer | None = None
+        self._consumer: PullConsumer | None = None
+        self._poisoned: list[int] = []  # sequences dead-lettered while fetching, not yet committed past
 
     # ------------------------------------------------------------------ control
 
@@ -183,7 +155,7 @@ class Recorder:
                 await asyncio.sleep(delay)
                 waited += delay
 
-    async def _open_consumer(self, start_seq: int) -> _TrackingConsumer:
+    async def _open_consumer(self, start_seq: int) -> PullConsumer:
         # The tracking row is the truth: re-create the durable at its position rather than
         # trusting the server's ack floor (which a crash between commit and ack leaves behind).
         with contextlib.suppress(nats.js.errors.NotFoundError):
@@ -213,7 +185,9 @@ class Recorder:
         )
         await self.bus.js.add_consumer(self.stream, config=cfg)
         sub = await self.bus.js.pull_subscribe_bind(durable=self.durable, stream=self.stream)
-        return _TrackingConsumer(self.bus, spec, sub)
+        consumer = PullConsumer(self.bus, spec, sub)
+        consumer.on_dead_letter = self._poisoned.append
+        return consumer
 
     def _read_offset(self) -> int:
         with self.store.read() as conn:
@@ -277,7 +251,8 @@ class Recorder:
                     break
                 deliveries = fetch.result()
                 fetch = None
-                poisoned, consumer.poisoned = consumer.poisoned, []
+                poisoned = self._poisoned[:]
+                self._poisoned.clear()
                 if not deliveries and not poisoned:
                     continue
                 # Prefetch while this batch commits: the server keeps it unacked meanwhile.
@@ -352,7 +327,7 @@ class Recorder:
             if item.seq > until:
                 break
             through = item.seq
-            if item.event is not None and admissible(self.run_id, item.subject, item.event) is None:
+            if item.event is not None and spoofed(self.run_id, item.subject, item.event) is None:
                 buf.append(LogItem(item.seq, item.subject, item.event))
             if len(buf) >= self.batch or item.seq >= until:
                 await self._commit(buf, through, None)
