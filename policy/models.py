@@ -99,35 +99,24 @@ class ModelConfig:
 
 # Small configs run on a laptop CPU; the published sizes are config entries for GPU trainers
 # (tests check them against torchtitan's own registry).
+_TINY_MOE = ModelConfig(
+    name="tiny-moe",
+    vocab_size=64,
+    dim=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=16,
+    max_seq_len=256,
+    num_experts=8,
+    top_k=2,
+    moe_hidden_dim=64,
+    rope_theta=10_000.0,
+)
+
 CONFIGS: dict[str, ModelConfig] = {
-    "tiny-moe": ModelConfig(
-        name="tiny-moe",
-        vocab_size=64,
-        dim=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=16,
-        max_seq_len=256,
-        num_experts=8,
-        top_k=2,
-        moe_hidden_dim=64,
-        rope_theta=10_000.0,
-    ),
-    "tiny-moe-4l": ModelConfig(
-        name="tiny-moe-4l",
-        vocab_size=64,
-        dim=64,
-        n_layers=4,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=16,
-        max_seq_len=256,
-        num_experts=8,
-        top_k=2,
-        moe_hidden_dim=64,
-        rope_theta=10_000.0,
-    ),
+    "tiny-moe": _TINY_MOE,
+    "tiny-moe-4l": _TINY_MOE.replace(name="tiny-moe-4l", n_layers=4),
     "tiny-dense": ModelConfig(
         name="tiny-dense",
         vocab_size=64,
