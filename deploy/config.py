@@ -84,8 +84,9 @@ class EnvSection(_Section):
 
     @model_validator(mode="after")
     def _known_env(self) -> EnvSection:
-        # Fail at config time, not in a producer that would crash-loop.
-        make_environment(self.kind or self.name, **self.params)
+        # Fail at config time, not in a producer that would crash-loop (prepare: a taskset
+        # with no usable task is refused here too).
+        make_environment(self.kind or self.name, **self.params).prepare()
         return self
 
 

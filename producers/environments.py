@@ -53,6 +53,10 @@ class Environment:
         self.tok = tokenizer or CharTokenizer()
         self.params = params
 
+    def prepare(self) -> None:
+        """Slow set-up (loading a dataset, say), run once in a worker thread before the first
+        task so that the producer's event loop keeps serving meanwhile."""
+
     def make_task(self, rng: random.Random) -> Task:
         raise NotImplementedError
 

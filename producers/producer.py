@@ -347,6 +347,7 @@ class EnvProducer:
             run_id=self.run_id, tenant=self.s.tenant, worker_id=f"env-{self.s.env}"
         )
         await self.catch_up()
+        await asyncio.to_thread(self.env.prepare)
         watchers = [asyncio.create_task(self.watch_steps()), asyncio.create_task(self.watch_withheld())]
         self.log.info("producer_started", submitted=self.submitted, window=self.window)
         try:

@@ -136,10 +136,14 @@ class VerifiersEnv(Environment):
         log.info("verifiers_taskset_loaded", taskset=self.taskset_id, tasks=len(pool), skipped=self.skipped)
         return pool
 
+    def prepare(self) -> None:
+        if self.taskset.bounded and self._pool is None:
+            self._pool = self._load_pool()
+
     def make_task(self, rng: random.Random) -> Task:
         if self.taskset.bounded:
-            if self._pool is None:
-                self._pool = self._load_pool()
+            self.prepare()
+            assert self._pool is not None
             return self._pool[rng.randrange(len(self._pool))]
         if self._stream is None:
             self._stream = iter(self.taskset)

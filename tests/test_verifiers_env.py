@@ -181,3 +181,22 @@ async def test_a_short_run_trains_on_a_verifiers_taskset(nats_server, tmp_path: 
         assert [h.step for h in queries.step_history(store, run_id)] == list(range(steps))
     finally:
         store.close()
+
+
+def test_a_config_naming_an_unusable_taskset_is_refused() -> None:
+    from jetrl.deploy.config import ConfigError, load_config
+
+    with pytest.raises((ConfigError, ValueError), match="no_such_taskset"):
+        load_config(
+            None,
+            [
+                "--envs.0.name",
+                "vf",
+                "--envs.0.kind",
+                "verifiers",
+                "--envs.0.params",
+                '{ taskset = "no_such_taskset" }',
+            ],
+        )
+    cfg = load_config(None, ["--envs.0.name", "vf", "--envs.0.kind", "verifiers"])
+    assert cfg.producer_settings()[0].kind == "verifiers" and cfg.producer_settings()[0].env == "vf"
