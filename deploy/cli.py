@@ -16,6 +16,7 @@ _COMMAND_MODULES = [
     "jetrl.deploy.resume_cmd",
     "jetrl.deploy.store_cli",
     "jetrl.deploy.bus_demo",
+    "jetrl.deploy.gateway_cmd",
 ]
 
 

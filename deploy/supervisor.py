@@ -291,6 +291,7 @@ class Supervisor:
         if url is None:
             self.server = EmbeddedServer(self.run_dir / "nats").start()
             url = self.server.url
+        (self.run_dir / "nats_url").write_text(url)  # for `jetrl gateway` and other clients
         bus = await Bus.connect(url, name="supervisor")
         status, reason = "failed", ""
         follower: asyncio.Task[None] | None = None

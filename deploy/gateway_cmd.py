@@ -1,0 +1,65 @@
+"""``jetrl gateway RUN``: an OpenAI-compatible endpoint serving a live run's current policy.
+
+    jetrl gateway demo-20261130-045528 --port 8000
+    curl -s localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "3+4="}]}'
+
+The run's NATS URL is read from ``<runs-dir>/<RUN>/nats_url`` (the supervisor writes it) unless
+``--nats-url`` names it. The run's inference workers answer; Ctrl-C stops the gateway only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+
+from jetrl.bus.client import Bus
+from jetrl.bus.runtime import run_process
+from jetrl.producers.gateway import ChatGateway, GatewaySettings
+
+
+def add_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("gateway", help="serve a live run's policy over an OpenAI-compatible API")
+    p.add_argument("run")
+    p.add_argument("--runs-dir", default="runs")
+    p.add_argument("--nats-url", default=None, help="default: the one the run's supervisor recorded")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--tenant", default="default")
+    p.add_argument("--max-tokens", type=int, default=16, help="default and most per request")
+    p.add_argument("--timeout-s", type=float, default=120.0)
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    url = args.nats_url
+    if url is None:
+        recorded = Path(args.runs_dir) / args.run / "nats_url"
+        if not recorded.exists():
+            print(f"jetrl gateway: no {recorded}; is the run live? Name its server with --nats-url")
+            return 2
+        url = recorded.read_text().strip()
+    settings = GatewaySettings(
+        host=args.host,
+        port=args.port,
+        tenant=args.tenant,
+        max_tokens=args.max_tokens,
+        timeout_s=args.timeout_s,
+    )
+
+    async def go(stop: asyncio.Event) -> int:
+        bus = await Bus.connect(url, name="gateway")
+        gateway = ChatGateway(bus, args.run, settings)
+        try:
+            await gateway.start()
+            print(
+                f"jetrl gateway: run {args.run}'s policy at {gateway.url} (OpenAI chat completions API)",
+                flush=True,
+            )
+            await stop.wait()
+        finally:
+            await gateway.stop()
+            await bus.close()
+        return 0
+
+    return run_process(go)

@@ -1,0 +1,275 @@
+"""An OpenAI-compatible chat-completions endpoint on a run's bus: the run's current policy,
+served to anything that speaks the OpenAI API (a verifiers harness or eval, an agent, curl).
+
+A request is one TaskSubmitted (``n`` samples as its group, on the gateway's own env subject,
+so no producer scores it and the trainer never sees it) that the run's inference workers take
+like any other; the answer is built from the GenerationCompleted events that come back. Nothing
+calls a worker directly: the gateway is one more producer of tasks, and the log keeps every
+request and answer (the recorder projects them like the rest).
+
+Routes: ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``. Bad requests get a
+400 with the OpenAI error shape; a request that no worker answers in time gets a 504.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+from pydantic import BaseModel, Field
+
+from jetrl.bus import events as ev
+from jetrl.bus import subjects
+from jetrl.bus.client import Bus
+from jetrl.bus.log import get_logger
+from jetrl.bus.payloads import ObjectStorePayloads, Payloads
+from jetrl.policy.tokenizer import CharTokenizer
+
+
+class GatewaySettings(BaseModel):
+    env: str = "gateway"  # the env token of the gateway's subjects
+    tenant: str = "default"
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)  # 0: any free port
+    max_tokens: int = Field(16, ge=1)  # the default, and the most a request may ask for
+    max_n: int = Field(64, ge=1)
+    timeout_s: float = Field(120.0, gt=0)  # how long a request waits for the workers
+    model: str = "jetrl"  # the model name the endpoint answers to
+
+
+class RequestError(ValueError):
+    """A request the gateway refuses (HTTP 400), with the reason for the caller."""
+
+
+@dataclass
+class _Pending:
+    n: int
+    done: asyncio.Future[list[ev.GenerationCompleted]]
+    got: dict[int, ev.GenerationCompleted] = field(default_factory=dict)
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def render(messages: Any) -> str:
+    """The conversation as the toy tokenizer's model sees it (it has no chat template):
+    every message's text, in order, joined by a space."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("'messages' must be a non-empty list")
+    texts = []
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in (
+            "system",
+            "developer",
+            "user",
+            "assistant",
+            "tool",
+        ):
+            raise RequestError(f"each message needs a known 'role': {m!r}"[:300])
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text is understood
+            parts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            content = " ".join(parts)
+        if content is not None and not isinstance(content, str):
+            raise RequestError("message 'content' must be a string or a list of text parts")
+        if content:
+            texts.append(content)
+    return " ".join(texts)
+
+
+class ChatGateway:
+    def __init__(
+        self, bus: Bus, run_id: str, settings: GatewaySettings, tokenizer: CharTokenizer | None = None
+    ):
+        self.bus = bus
+        self.run_id = run_id
+        self.s = settings
+        subjects.check_token(settings.env, "env")
+        subjects.check_token(settings.tenant, "tenant")
+        self.tok = tokenizer or CharTokenizer()
+        self.pending: dict[str, _Pending] = {}
+        self.payloads: Payloads | None = None
+        self.requests = 0
+        self.refused = 0
+        self._follower: asyncio.Task[None] | None = None
+        self._runner: web.AppRunner | None = None
+        self.port = settings.port
+        self.log = get_logger(__name__, run_id=run_id, tenant=settings.tenant, worker_id="gateway")
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        self.payloads = Payloads(await ObjectStorePayloads.for_run(self.bus.js, self.run_id))
+        # Answers to requests made from now on: follow the generation subject from the head.
+        head = await self.bus.last_seq(self.run_id)
+        self._follower = asyncio.create_task(self._follow(head + 1))
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self.s.host, self.s.port).start()
+        self.port = self._runner.addresses[0][1]  # the bound port (settings may say 0: any)
+        self.log.info("gateway_started", url=self.url)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.s.host}:{self.port}/v1"
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._follower is not None:
+            self._follower.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._follower
+        for p in self.pending.values():
+            if not p.done.done():
+                p.done.cancel()
+
+    async def _follow(self, from_seq: int) -> None:
+        subject = subjects.generation_subject(self.run_id, self.s.tenant, self.s.env)
+        async for item in self.bus.tail(self.run_id, filter_subject=subject, from_seq=from_seq):
+            g = item.event.body if item.event else None
+            if not isinstance(g, ev.GenerationCompleted):
+                continue
+            p = self.pending.get(g.task_id)
+            if p is None or p.done.done():
+                continue  # another gateway's, or one that timed out
+            p.got[g.sample_index] = g
+            if len(p.got) == p.n:
+                p.done.set_result([p.got[i] for i in sorted(p.got)])
+
+    # ------------------------------------------------------------------ the request
+
+    def _parse(self, body: Any) -> tuple[str, list[int], int, int, float, bool]:
+        if not isinstance(body, dict):
+            raise RequestError("the request body must be a JSON object")
+        if body.get("stream"):
+            raise RequestError("streaming is not supported")
+        text = render(body.get("messages"))
+        try:
+            tokens = self.tok.encode(text)
+        except ValueError as e:
+            raise RequestError(f"the model's tokenizer cannot write the prompt: {e}") from None
+        n = body.get("n") or 1
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or self.s.max_tokens
+        temperature = body.get("temperature")
+        temperature = 1.0 if temperature is None else temperature
+        if not isinstance(n, int) or not 1 <= n <= self.s.max_n:
+            raise RequestError(f"'n' must be an integer in 1..{self.s.max_n}")
+        if not isinstance(max_tokens, int) or not 1 <= max_tokens <= self.s.max_tokens:
+            raise RequestError(f"'max_tokens' must be an integer in 1..{self.s.max_tokens}")
+        if not isinstance(temperature, int | float) or not 0 <= temperature <= 2:
+            raise RequestError("'temperature' must be a number in 0..2")
+        return text, tokens, n, max_tokens, float(temperature), bool(body.get("logprobs"))
+
+    async def complete(self, body: Any) -> dict[str, Any]:
+        """One chat completion: the OpenAI response object, with a ``jetrl`` field naming the
+        task, the policy version that answered and the generation ids."""
+        self.requests += 1
+        text, tokens, n, max_tokens, temperature, want_logprobs = self._parse(body)
+        task_id = f"{self.s.env}.{self.s.tenant}.{uuid.uuid4().hex}"
+        pending = _Pending(n, asyncio.get_running_loop().create_future())
+        self.pending[task_id] = pending
+        try:
+            await self.bus.publish(
+                ev.new_event(
+                    ev.TaskSubmitted(
+                        task_id=task_id,
+                        env=self.s.env,
+                        group_size=n,
+                        prompt_tokens=tokens,
+                        prompt_text=text,
+                        max_tokens=max_tokens,
+                        info={"source": "gateway"},
+                        temperature=temperature,
+                    ),
+                    run_id=self.run_id,
+                    tenant=self.s.tenant,
+                    event_id=ev.derived_id(self.run_id, f"task/{task_id}"),
+                )
+            )
+            gens = await asyncio.wait_for(pending.done, self.s.timeout_s)
+        finally:
+            self.pending.pop(task_id, None)
+        return await self._response(task_id, len(tokens), gens, want_logprobs)
+
+    async def _response(
+        self, task_id: str, prompt_len: int, gens: list[ev.GenerationCompleted], want_logprobs: bool
+    ) -> dict[str, Any]:
+        assert self.payloads is not None
+        choices, completion_tokens = [], 0
+        for i, g in enumerate(gens):
+            ids = (await self.payloads.get_array(g.completion_tokens)).astype(np.int64).tolist()
+            completion_tokens += len(ids)
+            choice: dict[str, Any] = {
+                "index": i,
+                "message": {"role": "assistant", "content": self.tok.decode(ids)},
+                "finish_reason": "length" if g.finish_reason == "length" else "stop",
+            }
+            if want_logprobs:
+                lps = (await self.payloads.get_array(g.logprobs)).astype(np.float64).tolist()
+                choice["logprobs"] = {
+                    "content": [
+                        {"token": self.tok.decode([t], skip_special=False, stop_at_eos=False), "logprob": lp}
+                        for t, lp in zip(ids, lps, strict=False)
+                    ]
+                }
+            choices.append(choice)
+        return {
+            "id": f"chatcmpl-{task_id.rsplit('.', 1)[1]}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.s.model,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": prompt_len,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_len * len(gens) + completion_tokens,
+            },
+            "jetrl": {
+                "run_id": self.run_id,
+                "task_id": task_id,
+                "policy_version": max(g.policy_version_end for g in gens),
+                "generation_ids": [g.generation_id for g in gens],
+            },
+        }
+
+    # ------------------------------------------------------------------ HTTP
+
+    @staticmethod
+    def _error(status: int, message: str, kind: str) -> web.Response:
+        return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            self.refused += 1
+            return self._error(400, "the request body is not JSON", "invalid_request_error")
+        try:
+            return web.json_response(await self.complete(body))
+        except RequestError as e:
+            self.refused += 1
+            self.log.info("gateway_request_refused", reason=str(e))
+            return self._error(400, str(e), "invalid_request_error")
+        except TimeoutError:
+            return self._error(504, f"no inference worker answered in {self.s.timeout_s:g}s", "timeout")
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.s.model, "object": "model", "owned_by": "jetrl"}]}
+        )
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"ok": True, "run_id": self.run_id, "requests": self.requests, "refused": self.refused}
+        )

@@ -1,0 +1,103 @@
+"""The OpenAI-compatible gateway: a live run's policy answers chat completions through the bus."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from jetrl.bus import events as ev
+from jetrl.bus.client import Bus
+from jetrl.bus.server import EmbeddedServer
+from jetrl.deploy.config import load_config
+from jetrl.deploy.supervisor import Supervisor
+from jetrl.producers.gateway import ChatGateway, GatewaySettings, RequestError, render
+
+
+def test_messages_render_to_the_prompt_and_bad_requests_are_refused() -> None:
+    assert render([{"role": "system", "content": "sum"}, {"role": "user", "content": "3+4="}]) == "sum 3+4="
+    parts = [{"role": "user", "content": [{"type": "text", "text": "1+1="}, {"type": "image_url"}]}]
+    assert render(parts) == "1+1="
+    gw = ChatGateway(None, "r", GatewaySettings(max_tokens=8, max_n=4))  # type: ignore[arg-type]
+    ok = {"messages": [{"role": "user", "content": "ab="}]}
+    assert gw._parse(ok)[1:] == (gw.tok.encode("ab="), 1, 8, 1.0, False)
+    for bad, why in (
+        ([], "JSON object"),
+        ({"messages": []}, "non-empty"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "role"),
+        ({"messages": [{"role": "user", "content": "ABC"}]}, "tokenizer"),
+        ({**ok, "n": 5}, "'n'"),
+        ({**ok, "max_tokens": 9}, "max_tokens"),
+        ({**ok, "temperature": -1}, "temperature"),
+        ({**ok, "stream": True}, "streaming"),
+    ):
+        with pytest.raises(RequestError, match=why):
+            gw._parse(bad)
+
+
+@pytest.mark.slow
+async def test_a_live_run_answers_chat_completions(nats_server: EmbeddedServer, tmp_path: Path) -> None:
+    cfg = load_config(
+        None,
+        [
+            *("--trainer.max_steps", "30", "--trainer.batch_groups", "2", "--run.max_wall_s", "120"),
+            *("--inference.workers", "1", "--envs.0.group_size", "4", "--store.recorder", "false"),
+            *("--bus.weights_store", "file", "--bus.max_gib", "0.25", "--bus.payload_max_gib", "0.5"),
+        ],
+    )
+    run_id = "gw1"
+    sup = Supervisor(cfg, run_id, tmp_path / run_id, nats_url=nats_server.url, quiet=True)
+    run = asyncio.create_task(sup.run())
+    bus = await Bus.connect(nats_server.url)
+    while not (tmp_path / run_id / "nats_url").exists():  # the supervisor has created the run
+        await asyncio.sleep(0.1)
+    await bus.ensure_run(run_id, cfg.bus.limits())
+    gw = ChatGateway(bus, run_id, GatewaySettings(port=0, max_tokens=4, timeout_s=90))
+    await gw.start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            url = f"{gw.url}/chat/completions"
+            msgs = [{"role": "user", "content": "3+4="}]
+            req = {"model": "jetrl", "messages": msgs, "n": 3, "max_tokens": 2}
+            async with http.post(url, json={**req, "logprobs": True}) as r:
+                assert r.status == 200, await r.text()
+                answer = await r.json()
+            async with http.post(url, json={**req, "n": 100}) as r:
+                assert r.status == 400 and "'n'" in (await r.json())["error"]["message"]
+            async with http.post(url, data=b"{not json") as r:
+                assert r.status == 400
+            async with http.get(f"{gw.url}/models") as r:
+                assert (await r.json())["data"][0]["id"] == "jetrl"
+        assert answer["object"] == "chat.completion" and len(answer["choices"]) == 3
+        for c in answer["choices"]:
+            text = c["message"]["content"]
+            assert c["message"]["role"] == "assistant" and len(text) <= 2
+            assert 1 <= len(c["logprobs"]["content"]) <= 2  # one per sampled token (<eos> included)
+            assert all(t["logprob"] <= 0.0 for t in c["logprobs"]["content"])
+        assert answer["usage"]["prompt_tokens"] == len(gw.tok.encode("3+4="))
+        assert answer["jetrl"]["policy_version"] >= 0 and len(answer["jetrl"]["generation_ids"]) == 3
+
+        try:
+            from openai import AsyncOpenAI
+        except ImportError:  # the verifiers extra brings the official client; without it, done
+            AsyncOpenAI = None  # type: ignore[assignment,misc]
+        if AsyncOpenAI is not None:
+            client = AsyncOpenAI(base_url=gw.url, api_key="unused")
+            out = await client.chat.completions.create(
+                model="jetrl", messages=[{"role": "user", "content": "1+2="}], max_tokens=2, n=2
+            )
+            assert len(out.choices) == 2 and out.choices[0].message.role == "assistant"
+            await client.close()
+    finally:
+        await gw.stop()
+        assert await run == 0  # the run goes on to its end, untouched by the gateway
+    # The request and its answers are facts in the run's log, on the gateway's own subject.
+    log = await bus.read_log(run_id)
+    await bus.close()
+    tasks = [i.event.body for i in log if i.event and isinstance(i.event.body, ev.TaskSubmitted)]
+    mine = [t for t in tasks if t.env == "gateway"]
+    assert len(mine) >= 1 and mine[0].group_size == 3 and mine[0].prompt_text == "3+4="
+    scored = [i.event.body for i in log if i.event and isinstance(i.event.body, ev.RolloutScored)]
+    assert not [r for r in scored if r.env == "gateway"], "a gateway answer was scored for training"
