@@ -49,6 +49,15 @@ def test_tasks_come_from_the_taskset_and_its_rewards_score_them() -> None:
     assert score(env, info, reply("cbaa")).parts["exact"] == 0.0
 
 
+def test_message_prompts_render_in_order_after_the_system_prompt() -> None:
+    import verifiers.v1 as vf
+
+    env = make_environment("verifiers", TOK)
+    msgs = [vf.SystemMessage(content="be brief"), vf.UserMessage(content="ab=")]
+    assert env.render(vf.TaskData(prompt=msgs, system_prompt="sys")) == "sys be brief ab="
+    assert env.render(vf.TaskData(prompt="ab=")) == "ab="
+
+
 def test_scoring_needs_only_the_event_info() -> None:
     """A restarted producer (a new environment object) scores what the old one handed out."""
     t = make_environment("verifiers", TOK).make_task(random.Random(3))
