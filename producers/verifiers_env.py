@@ -20,6 +20,7 @@ The optional extra installs verifiers: ``pip install 'jetrl[verifiers]'`` (torch
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
 import itertools
@@ -70,6 +71,7 @@ class VerifiersEnv(Environment):
         taskset_config: dict[str, Any] | None = None,
         max_tokens: int = 8,
         max_reward: float = 1.0,
+        score_timeout_s: float = 60.0,
         **params: Any,
     ) -> None:
         super().__init__(tokenizer, **params)
@@ -91,6 +93,9 @@ class VerifiersEnv(Environment):
         self.data_cls = self.task_cls.data_type()
         self.taskset_id = taskset
         self.max_tokens = max_tokens
+        # A reward that hangs (a judge waiting on a model, say) fails the scoring, which the
+        # producer retries and in the end dead-letters, instead of holding the group forever.
+        self.score_timeout_s = score_timeout_s
         self.max_reward = max_reward  # the sum of the taskset's weighted rewards at best
         if self.task_cls.NEEDS_CONTAINER:
             raise ValueError(f"taskset {taskset!r} needs a container; the jetrl adapter runs none")
@@ -181,7 +186,8 @@ class VerifiersEnv(Environment):
             is_completed=True,
             ok=True,
         )
-        await task.score(trace)
+        async with asyncio.timeout(self.score_timeout_s):
+            await task.score(trace)
         unscored = [k for k, r in trace.rewards.items() if r is None]
         if unscored:
             raise ValueError(f"taskset {self.taskset_id!r} left rewards {unscored} unscored")

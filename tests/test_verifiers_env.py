@@ -110,6 +110,34 @@ def test_prompts_the_tokenizer_cannot_write_are_skipped_and_counted(
     assert score(env, t.info, reply("x")).parts == {"nonempty": 1.0}
 
 
+def test_a_reward_that_hangs_fails_the_scoring(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ts = write_taskset(
+        tmp_path,
+        monkeypatch,
+        "vf_hangs",
+        """
+        import asyncio
+        import verifiers.v1 as vf
+
+        class Slow(vf.Task[vf.TaskData, vf.State, vf.TaskConfig]):
+            @vf.reward
+            async def judge(self, trace: vf.Trace) -> float:
+                await asyncio.sleep(3600)
+                return 1.0
+
+        class Hangs(vf.Taskset[Slow, vf.TasksetConfig]):
+            def load(self):
+                yield Slow(vf.TaskData(prompt="ab="), self.config.task)
+
+        __all__ = ["Hangs"]
+        """,
+    )
+    env = make_environment("verifiers", TOK, taskset=ts, score_timeout_s=0.2)
+    t = env.make_task(random.Random(0))
+    with pytest.raises(TimeoutError):
+        score(env, t.info, reply("ba"))
+
+
 def test_untrainable_tasksets_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ModuleNotFoundError, match="no_such_taskset"):
         make_environment("verifiers", TOK, taskset="no_such_taskset")
