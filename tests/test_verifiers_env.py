@@ -110,6 +110,32 @@ def test_prompts_the_tokenizer_cannot_write_are_skipped_and_counted(
     assert score(env, t.info, reply("x")).parts == {"nonempty": 1.0}
 
 
+def test_an_endless_taskset_is_read_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ts = write_taskset(
+        tmp_path,
+        monkeypatch,
+        "vf_endless",
+        """
+        import itertools
+        import verifiers.v1 as vf
+
+        class Count(vf.Taskset[vf.Task, vf.TasksetConfig]):
+            INFINITE = True
+
+            def load(self):
+                for i in itertools.count():
+                    # every third prompt is one the tokenizer cannot write
+                    yield vf.Task(vf.TaskData(prompt=f"{i}=" if i % 3 else f"N{i}"), self.config.task)
+
+        __all__ = ["Count"]
+        """,
+    )
+    env = make_environment("verifiers", TOK, taskset=ts)
+    rng = random.Random(0)
+    assert [env.make_task(rng).prompt_text for _ in range(4)] == ["1=", "2=", "4=", "5="]
+    assert env.skipped == 2
+
+
 def test_a_reward_that_hangs_fails_the_scoring(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ts = write_taskset(
         tmp_path,
