@@ -117,17 +117,8 @@ _TINY_MOE = ModelConfig(
 CONFIGS: dict[str, ModelConfig] = {
     "tiny-moe": _TINY_MOE,
     "tiny-moe-4l": _TINY_MOE.replace(name="tiny-moe-4l", n_layers=4),
-    "tiny-dense": ModelConfig(
-        name="tiny-dense",
-        vocab_size=64,
-        dim=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=16,
-        max_seq_len=256,
-        dense_hidden_dim=128,
-        rope_theta=10_000.0,
+    "tiny-dense": _TINY_MOE.replace(
+        name="tiny-dense", num_experts=0, top_k=0, moe_hidden_dim=0, dense_hidden_dim=128
     ),
     "qwen3-30b-a3b": ModelConfig(
         name="qwen3-30b-a3b",
