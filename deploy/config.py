@@ -82,13 +82,6 @@ class EnvSection(_Section):
     def _token(cls, v: str) -> str:
         return check_token(v, "env/tenant name")
 
-    @model_validator(mode="after")
-    def _known_env(self) -> EnvSection:
-        # Fail at config time, not in a producer that would crash-loop (prepare: a taskset
-        # with no usable task is refused here too).
-        make_environment(self.kind or self.name, **self.params).prepare()
-        return self
-
 
 class BusSection(_Section):
     max_gib: float = Field(8.0, gt=0)  # the run's log
@@ -219,14 +212,24 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"config file {path} not found") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+    return config_for_run(data, overrides)
+
+
+def config_for_run(data: dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
+    """The config a run starts (or resumes) with: validated, and every environment built and
+    prepared once, so that a bad one fails here and not in a producer that would crash-loop.
+    (Reading a recorded config, e.g. for replay, needs only ``RunConfig.model_validate``.)"""
     if overrides:
         if "envs" not in data and any(o.startswith("--envs.") for o in overrides):
             data["envs"] = [EnvSection().model_dump()]
         apply_overrides(data, overrides)
     try:
-        return RunConfig.model_validate(data)
+        cfg = RunConfig.model_validate(data)
+        for e in cfg.envs:
+            make_environment(e.kind or e.name, **e.params).prepare()
     except Exception as exc:
         raise ConfigError(f"invalid run config: {exc}") from None
+    return cfg
 
 
 def library_versions() -> dict[str, str]:

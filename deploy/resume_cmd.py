@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from jetrl.bus.log import configure
-from jetrl.deploy.config import ConfigError, RunConfig, apply_overrides
+from jetrl.deploy.config import ConfigError, config_for_run
 from jetrl.deploy.supervisor import Supervisor
 
 
@@ -28,8 +28,8 @@ def main(args: argparse.Namespace) -> int:
     data = json.loads(cfg_path.read_text())
     try:
         # Only limits may change on resume (e.g. more steps); the rest must stay as recorded.
-        cfg = RunConfig.model_validate(apply_overrides(data, args.overrides))
-    except (ConfigError, ValueError) as exc:
+        cfg = config_for_run(data, args.overrides)
+    except ConfigError as exc:
         print(f"jetrl resume: {exc}")
         return 2
     sup = Supervisor(cfg, args.run, run_dir, nats_url=args.nats_url, db_url=args.db)
