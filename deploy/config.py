@@ -132,16 +132,11 @@ class RunConfig(_Section):
         )
 
     def inference_settings(self) -> InferenceSettings:
-        i = self.inference
         return InferenceSettings(
             model=self.model.name,
             model_overrides=self.model.overrides,
-            precision=i.precision,
-            max_batch_tasks=i.max_batch_tasks,
-            top_p=i.top_p,
             seed=self.run.seed,
-            threads=i.threads,
-            ack_wait_s=i.ack_wait_s,
+            **self.inference.model_dump(exclude={"workers"}),
         )
 
     def producer_settings(self) -> list[ProducerSettings]:

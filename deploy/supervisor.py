@@ -50,7 +50,6 @@ class Part:
     threads: int = 1
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
-    started_at: float = 0.0
     finished: bool = False  # exited 0 on its own (the trainer, when the run is done)
     history: list[float] = field(default_factory=list)
 
@@ -94,88 +93,43 @@ class Supervisor:
         return f"@{path}"
 
     def plan(self, url: str) -> list[Part]:
-        py = sys.executable
-        parts = []
-        for k, ps in enumerate(self.cfg.producer_settings()):
-            parts.append(
-                Part(
-                    f"env-{ps.tenant}-{ps.env}-{k}",
-                    [
-                        py,
-                        "-m",
-                        "jetrl.producers",
-                        "--nats-url",
-                        url,
-                        "--run",
-                        self.run_id,
-                        "--settings",
-                        self._settings_file(f"env-{k}", ps),
-                    ],
-                )
+        def argv(module: str, *extra: str) -> list[str]:
+            return [sys.executable, "-m", module, "--nats-url", url, "--run", self.run_id, *extra]
+
+        parts = [
+            Part(
+                f"env-{ps.tenant}-{ps.env}-{k}",
+                argv("jetrl.producers", "--settings", self._settings_file(f"env-{k}", ps)),
             )
+            for k, ps in enumerate(self.cfg.producer_settings())
+        ]
         weights_dir = (
             str((self.run_dir / "payloads").resolve()) if self.cfg.bus.weights_store == "file" else None
         )
         inf_settings = self.cfg.inference_settings().model_copy(update={"weights_dir": weights_dir})
         inf = self._settings_file("inference", inf_settings)
-        for i in range(self.cfg.inference.workers):
-            parts.append(
-                Part(
-                    f"inference-{i}",
-                    [
-                        py,
-                        "-m",
-                        "jetrl.consumers.inference",
-                        "--nats-url",
-                        url,
-                        "--run",
-                        self.run_id,
-                        "--worker-id",
-                        f"inf-{i}",
-                        "--settings",
-                        inf,
-                    ],
-                    threads=self.cfg.inference.threads,
-                )
+        parts += [
+            Part(
+                f"inference-{i}",
+                argv("jetrl.consumers.inference", "--worker-id", f"inf-{i}", "--settings", inf),
+                threads=self.cfg.inference.threads,
             )
+            for i in range(self.cfg.inference.workers)
+        ]
+        trainer_settings = self.cfg.trainer_settings().model_copy(update={"weights_dir": weights_dir})
         parts.append(
             Part(
                 "trainer",
-                [
-                    py,
-                    "-m",
+                argv(
                     "jetrl.consumers.trainer",
-                    "--nats-url",
-                    url,
-                    "--run",
-                    self.run_id,
-                    "--run-dir",
-                    str(self.run_dir),
-                    "--settings",
-                    self._settings_file(
-                        "trainer", self.cfg.trainer_settings().model_copy(update={"weights_dir": weights_dir})
-                    ),
-                ],
+                    *("--run-dir", str(self.run_dir)),
+                    *("--settings", self._settings_file("trainer", trainer_settings)),
+                ),
                 threads=self.cfg.trainer.threads,
             )
         )
         if self.cfg.store.recorder:
-            parts.append(
-                Part(
-                    "recorder",
-                    [
-                        py,
-                        "-m",
-                        "jetrl.consumers.recorder",
-                        "--nats-url",
-                        url,
-                        "--run",
-                        self.run_id,
-                        "--db",
-                        self.db_url,
-                    ],
-                )
-            )
+            parts.append(Part("recorder", argv("jetrl.consumers.recorder", "--db", self.db_url)))
         return parts
 
     def start(self, part: Part) -> None:
@@ -186,7 +140,6 @@ class Supervisor:
             part.proc = subprocess.Popen(
                 part.argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
-        part.started_at = time.monotonic()
         self.log.info("part_started", part=part.name, pid=part.proc.pid, restarts=part.restarts)
 
     async def already_started(self, bus: Bus) -> bool:
