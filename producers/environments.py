@@ -47,11 +47,10 @@ class Environment:
     """Base class. Subclasses set ``name`` and implement :meth:`make_task` and :meth:`score`."""
 
     name: ClassVar[str] = "env"
-    max_reward: ClassVar[float] = 1.0
 
-    def __init__(self, tokenizer: CharTokenizer | None = None, **params: Any) -> None:
+    def __init__(self, tokenizer: CharTokenizer | None = None) -> None:
+        # No catch-all **params: a misspelled parameter is an error at config time.
         self.tok = tokenizer or CharTokenizer()
-        self.params = params
 
     def prepare(self) -> None:
         """Slow set-up (loading a dataset, say), run once in a worker thread before the first
@@ -73,10 +72,6 @@ class Environment:
         to a library whose rewards are coroutines)."""
         return self.react(info, turn, completion_tokens)
 
-    def chance_reward(self) -> float:
-        """Expected reward of a uniformly random policy (for progress reports)."""
-        return 0.0
-
 
 def _positional_reward(target: list[int], completion: list[int]) -> Score:
     """Share of target positions (answer tokens, then <eos>) the completion got right: dense,
@@ -86,7 +81,14 @@ def _positional_reward(target: list[int], completion: list[int]) -> Score:
     return Score(reward=hits / len(target), parts={"positions": hits / len(target), "exact": exact})
 
 
-class _StringTask(Environment):
+class _AnswerEnv(Environment):
+    """Tasks whose ``info["answer"]`` is the one right text, scored position by position."""
+
+    def score(self, info: dict[str, Any], completion_tokens: list[int]) -> Score:
+        return _positional_reward(self.tok.encode(info["answer"], bos=False, eos=True), completion_tokens)
+
+
+class _StringTask(_AnswerEnv):
     """Shared by reverse and sort: a short string over a small alphabet, then ``=``."""
 
     def __init__(
@@ -96,9 +98,8 @@ class _StringTask(Environment):
         alphabet: str = "abcd",
         min_len: int = 2,
         max_len: int = 4,
-        **params: Any,
     ) -> None:
-        super().__init__(tokenizer, **params)
+        super().__init__(tokenizer)
         if not 1 <= min_len <= max_len:
             raise ValueError("need 1 <= min_len <= max_len")
         self.alphabet, self.min_len, self.max_len = alphabet, min_len, max_len
@@ -113,13 +114,6 @@ class _StringTask(Environment):
         return Task(
             prompt, self.tok.encode(prompt), max_tokens=self.max_len + 1, info={"answer": self.answer(s)}
         )
-
-    def score(self, info: dict[str, Any], completion_tokens: list[int]) -> Score:
-        target = self.tok.encode(info["answer"], bos=False, eos=True)
-        return _positional_reward(target, completion_tokens)
-
-    def chance_reward(self) -> float:
-        return 1.0 / self.tok.vocab_size
 
 
 class ReverseEnv(_StringTask):
@@ -136,13 +130,13 @@ class SortEnv(_StringTask):
         return "".join(sorted(s))
 
 
-class ModSumEnv(Environment):
+class ModSumEnv(_AnswerEnv):
     """``a+b=`` → ``(a+b) mod m`` as one digit: a contextual bandit of m² prompts."""
 
     name = "modsum"
 
-    def __init__(self, tokenizer: CharTokenizer | None = None, *, modulus: int = 5, **params: Any) -> None:
-        super().__init__(tokenizer, **params)
+    def __init__(self, tokenizer: CharTokenizer | None = None, *, modulus: int = 5) -> None:
+        super().__init__(tokenizer)
         if not 2 <= modulus <= 10:
             raise ValueError("modulus must be in 2..10 (one digit answers)")
         self.m = modulus
@@ -151,12 +145,6 @@ class ModSumEnv(Environment):
         a, b = rng.randrange(self.m), rng.randrange(self.m)
         prompt = f"{a}+{b}="
         return Task(prompt, self.tok.encode(prompt), max_tokens=2, info={"answer": str((a + b) % self.m)})
-
-    def score(self, info: dict[str, Any], completion_tokens: list[int]) -> Score:
-        return _positional_reward(self.tok.encode(info["answer"], bos=False, eos=True), completion_tokens)
-
-    def chance_reward(self) -> float:
-        return 1.0 / self.tok.vocab_size
 
 
 class ChainSumEnv(ModSumEnv):

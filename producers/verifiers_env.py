@@ -70,13 +70,13 @@ class VerifiersEnv(Environment):
         taskset: str = DEFAULT_TASKSET,
         taskset_config: dict[str, Any] | None = None,
         max_tokens: int = 8,
-        max_reward: float = 1.0,
         score_timeout_s: float = 60.0,
-        **params: Any,
     ) -> None:
-        super().__init__(tokenizer, **params)
+        super().__init__(tokenizer)
         try:
             import verifiers.v1 as vf
+            from verifiers.v1.graph import MessageNode
+            from verifiers.v1.trace import AgentInfo, TraceTask
             from verifiers.v1.utils.generic import concrete_type
             from verifiers.v1.utils.loaders import taskset_class
         except ImportError as e:
@@ -86,6 +86,8 @@ class VerifiersEnv(Environment):
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
         self.vf = vf
+        self._node, self._trace_task = MessageNode, TraceTask
+        self._agent = AgentInfo(config=vf.AgentConfig())  # the same for every trace: built once
         cls = _dotted_taskset(vf, taskset) if "." in taskset else taskset_class(taskset)
         config_cls = concrete_type(cls, vf.TasksetConfig, origin=vf.Taskset) or vf.TasksetConfig
         self.taskset = cls(config_cls(id=taskset, **(taskset_config or {})))
@@ -96,7 +98,6 @@ class VerifiersEnv(Environment):
         # A reward that hangs (a judge waiting on a model, say) fails the scoring, which the
         # producer retries and in the end dead-letters, instead of holding the group forever.
         self.score_timeout_s = score_timeout_s
-        self.max_reward = max_reward  # the sum of the taskset's weighted rewards at best
         if self.task_cls.NEEDS_CONTAINER:
             raise ValueError(f"taskset {taskset!r} needs a container; the jetrl adapter runs none")
         probe = self.task_cls(self.data_cls.model_construct(), self.taskset.config.task)
@@ -166,10 +167,7 @@ class VerifiersEnv(Environment):
         raise TypeError("verifiers scoring is asynchronous: use areact()")
 
     async def areact(self, info: dict[str, Any], turn: int, completion_tokens: list[int]) -> Score | FollowUp:
-        vf = self.vf
-        from verifiers.v1.graph import MessageNode
-        from verifiers.v1.trace import AgentInfo, TraceTask
-
+        vf, node = self.vf, self._node
         try:
             data = self.data_cls.model_validate(info[TASK_KEY])
         except (KeyError, ValueError) as e:
@@ -177,11 +175,11 @@ class VerifiersEnv(Environment):
         task = self.task_cls(data, self.taskset.config.task)
         reply = self.tok.decode(completion_tokens)
         trace = vf.Trace(
-            task=TraceTask(type=type(task).__name__, data=data, key=task.key, hash=task.hash),
-            agent=AgentInfo(config=vf.AgentConfig()),
+            task=self._trace_task(type=type(task).__name__, data=data, key=task.key, hash=task.hash),
+            agent=self._agent,
             nodes=[
-                MessageNode(message=vf.UserMessage(content=self.render(data))),
-                MessageNode(parent=0, message=vf.AssistantMessage(content=reply), sampled=True),
+                node(message=vf.UserMessage(content=self.render(data))),
+                node(parent=0, message=vf.AssistantMessage(content=reply), sampled=True),
             ],
             is_completed=True,
             ok=True,

@@ -57,6 +57,8 @@ def test_unknown_environment_and_bad_params() -> None:
         make_environment("chess", TOK)
     with pytest.raises(ValueError, match="modulus"):
         make_environment("modsum", TOK, modulus=11)
+    with pytest.raises(TypeError, match="modulos"):  # a misspelled parameter is not ignored
+        make_environment("modsum", TOK, modulos=5)
     with pytest.raises(ValueError, match="min_len"):
         make_environment("reverse", TOK, min_len=3, max_len=2)
 
