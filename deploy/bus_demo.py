@@ -22,11 +22,9 @@ import numpy as np
 from jetrl.bus import events as ev
 from jetrl.bus import subjects
 from jetrl.bus.client import Bus, ConsumerSpec, Delivery
-from jetrl.bus.log import configure, get_logger
+from jetrl.bus.log import configure
 from jetrl.bus.payloads import ObjectStorePayloads, Payloads
 from jetrl.bus.server import EmbeddedServer
-
-log = get_logger(__name__)
 
 
 async def play(url: str, run_id: str, groups: int, group_size: int, seq_len: int) -> dict[str, object]:

@@ -64,13 +64,7 @@ def render(messages: Any) -> str:
         raise RequestError("'messages' must be a non-empty list")
     texts = []
     for m in messages:
-        if not isinstance(m, dict) or m.get("role") not in (
-            "system",
-            "developer",
-            "user",
-            "assistant",
-            "tool",
-        ):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise RequestError(f"each message needs a known 'role': {m!r}"[:300])
         content = m.get("content")
         if isinstance(content, list):  # content parts: only text is understood
