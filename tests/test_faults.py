@@ -54,7 +54,6 @@ async def test_part_killed_twice_mid_run(victim: str, env: str, tmp_path: Path) 
     # Its own embedded server: the nats-server is one of the victims.
     sup = Supervisor(cfg, run_id, tmp_path / run_id, quiet=True)
     run = asyncio.create_task(sup.run())
-    kills = 0
     for target in sorted(rng.sample(range(2, STEPS - 3), 2)):  # random points of the run
         while len(sup.progress.steps) < target and not run.done():
             await asyncio.sleep(0.05)
@@ -65,10 +64,8 @@ async def test_part_killed_twice_mid_run(victim: str, env: str, tmp_path: Path) 
             part = next(p for p in sup.parts if p.name == victim)
             assert part.proc is not None and part.proc.poll() is None
             part.proc.send_signal(signal.SIGKILL)
-        kills += 1
         await asyncio.sleep(rng.uniform(0.5, 1.5))
     assert await asyncio.wait_for(run, 240) == 0
-    assert kills == 2
     restarts = (
         sup.server_restarts
         if victim == "nats-server"
