@@ -30,7 +30,6 @@ async def test_publisher_and_consumer_recover_from_server_restart(tmp_path) -> N
         )
         sent: list[str] = []
         received: set[str] = set()
-        deliveries = 0
         stop = asyncio.Event()
 
         async def produce() -> None:
@@ -46,11 +45,9 @@ async def test_publisher_and_consumer_recover_from_server_restart(tmp_path) -> N
             await pub.flush(timeout=60)
 
         async def consume() -> None:
-            nonlocal deliveries
             while not stop.is_set():
                 for d in await consumer.fetch(100, timeout=0.5):
                     received.add(d.event.event_id)
-                    deliveries += 1
                     await d.ack()
 
         cons = asyncio.create_task(consume())
