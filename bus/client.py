@@ -77,7 +77,6 @@ class Bus:
         self.nc = nc
         self.js = js
         self.name = name
-        self._closing: list[bool] = []
 
     @classmethod
     async def connect(
@@ -92,13 +91,12 @@ class Bus:
     ) -> Bus:
         servers = [url] if isinstance(url, str) else list(url)
         blog = log.bind(client=name)
-        closing: list[bool] = []  # set by close(): a deliberate disconnect is not news
 
         async def on_error(exc: Exception) -> None:
             blog.warning("nats_error", error=repr(exc))
 
         async def on_disconnect() -> None:
-            if not closing:
+            if not nc.is_closed:  # closing is deliberate, not news (nats-py marks it first)
                 blog.warning("nats_disconnected")
 
         async def on_reconnect() -> None:
@@ -124,13 +122,10 @@ class Bus:
                 "with JetStream (-js)? `jetrl run` without --nats-url starts a private one."
             ) from exc
         js = nc.jetstream(timeout=request_timeout, publish_async_max_pending=max_inflight)
-        bus = cls(nc, js, name)
-        bus._closing = closing
-        return bus
+        return cls(nc, js, name)
 
     async def close(self) -> None:
         # Flush what was published, then close; a drain would wait on idle pull subscriptions.
-        self._closing.append(True)
         if not self.nc.is_closed:
             with contextlib.suppress(Exception):
                 await self.nc.flush(timeout=2)
@@ -448,8 +443,6 @@ class ConsumerSpec:
     max_ack_pending: int = 1024
     deliver_policy: api.DeliverPolicy = api.DeliverPolicy.ALL
     start_seq: int | None = None
-    # Reject events whose envelope tenant differs from the subject's tenant token.
-    check_tenant: bool = True
 
 
 @dataclass
@@ -526,16 +519,15 @@ class ConsumerStats:
     by_reason: dict[str, int] = field(default_factory=dict)
 
 
-def spoofed(run_id: str, subject: str, event: ev.Event, *, check_tenant: bool = True) -> str | None:
+def spoofed(run_id: str, subject: str, event: ev.Event) -> str | None:
     """Why ``event``, read on ``subject`` of run ``run_id``'s log, is not a fact of that run
     (its envelope names another run, or another tenant than the subject), else None. Consumers
     dead-letter such events; a reader of the log that does not consume skips them the same way."""
     if event.run_id != run_id:
         return f"envelope run {event.run_id!r} on run {run_id!r}"
-    if check_tenant:
-        sub_tenant = subjects.tenant_of(subject)
-        if sub_tenant is not None and sub_tenant != event.tenant:
-            return f"envelope tenant {event.tenant!r} published under tenant {sub_tenant!r}"
+    sub_tenant = subjects.tenant_of(subject)
+    if sub_tenant is not None and sub_tenant != event.tenant:
+        return f"envelope tenant {event.tenant!r} published under tenant {sub_tenant!r}"
     return None
 
 
@@ -593,7 +585,7 @@ class PullConsumer:
         except ev.EventDecodeError as exc:
             await self._dead_letter_msg(msg, exc.reason, str(exc))
             return None
-        if spoof := spoofed(self.spec.run_id, msg.subject, event, check_tenant=self.spec.check_tenant):
+        if spoof := spoofed(self.spec.run_id, msg.subject, event):
             await self._dead_letter_msg(msg, "spoofed", spoof, event)
             return None
         if n > self.spec.max_deliver:
@@ -674,8 +666,6 @@ class PullConsumer:
             for d in await self.fetch(batch, timeout=fetch_timeout):
                 try:
                     await handler(d.event, d)
-                except asyncio.CancelledError:
-                    raise
                 except Exception as exc:
                     await self.settle_failure(d, exc)
                     continue

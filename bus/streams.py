@@ -119,28 +119,3 @@ async def ensure_payload_bucket(js: JetStreamContext, run_id: str, limits: Strea
         )
     except nats.js.errors.APIError as exc:
         raise StreamSetupError(bucket, limits.payload_max_bytes, exc) from exc
-
-
-@dataclass(frozen=True)
-class StreamUsage:
-    messages: int
-    bytes: int
-    first_seq: int
-    last_seq: int
-    max_bytes: int
-
-    @property
-    def fill(self) -> float:
-        return self.bytes / self.max_bytes if self.max_bytes > 0 else 0.0
-
-
-async def stream_usage(js: JetStreamContext, run_id: str) -> StreamUsage:
-    info = await js.stream_info(stream_name(run_id))
-    st = info.state
-    return StreamUsage(
-        messages=st.messages,
-        bytes=st.bytes,
-        first_seq=st.first_seq,
-        last_seq=st.last_seq,
-        max_bytes=info.config.max_bytes or -1,
-    )
