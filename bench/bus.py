@@ -32,17 +32,12 @@ from jetrl.bus import events as ev
 from jetrl.bus import subjects
 from jetrl.bus.client import Bus, ConsumerSpec
 from jetrl.bus.log import configure
-from jetrl.bus.payloads import array_bytes
+from jetrl.bus.payloads import inline_array
 from jetrl.bus.server import EmbeddedServer
 from jetrl.bus.streams import GiB, StreamLimits, stream_name
 
 WINDOW = 256
 LIMITS = StreamLimits(max_bytes=8 * GiB, payload_max_bytes=GiB)
-
-
-def _inline(arr: np.ndarray) -> ev.InlineArray:
-    dtype, shape, data = array_bytes(arr)
-    return ev.InlineArray(dtype=dtype, shape=shape, data=data)
 
 
 def small_events(run_id: str, n: int) -> list[ev.Event]:
@@ -59,7 +54,7 @@ def small_events(run_id: str, n: int) -> list[ev.Event]:
 
 def rollout_events(run_id: str, n: int) -> list[ev.Event]:
     rng = np.random.default_rng(0)
-    prompt = _inline(rng.integers(0, 150_000, 512, dtype=np.int32))
+    prompt = inline_array(rng.integers(0, 150_000, 512, dtype=np.int32))
     out = []
     for i in range(n):
         body = ev.RolloutScored(
@@ -73,8 +68,8 @@ def rollout_events(run_id: str, n: int) -> list[ev.Event]:
             reward=float(i % 2),
             reward_parts={"tests": float(i % 2)},
             prompt_tokens=prompt,
-            completion_tokens=_inline(rng.integers(0, 150_000, 8192, dtype=np.int32)),
-            logprobs=_inline(-rng.random(8192, dtype=np.float32)),
+            completion_tokens=inline_array(rng.integers(0, 150_000, 8192, dtype=np.int32)),
+            logprobs=inline_array(-rng.random(8192, dtype=np.float32)),
             policy_version_start=i // 64,
             policy_version_end=i // 64,
         )

@@ -14,11 +14,13 @@ Mooncake plugs in as another ``store`` kind on GPU clusters.
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import os
 from pathlib import Path
 from typing import Protocol
 
+import msgspec
 import nats.js.errors
 import numpy as np
 from nats.js.object_store import ObjectStore
@@ -54,6 +56,12 @@ def array_bytes(arr: np.ndarray) -> tuple[str, tuple[int, ...], bytes]:
         raise PayloadError(f"dtype {dtype} cannot be carried (allowed: {sorted(_ALLOWED_DTYPES)})")
     le = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
     return dtype, tuple(int(s) for s in arr.shape), np.ascontiguousarray(le).tobytes()
+
+
+def inline_array(arr: np.ndarray) -> ev.InlineArray:
+    """``arr`` carried in the event itself."""
+    dtype, shape, data = array_bytes(arr)
+    return ev.InlineArray(dtype=dtype, shape=shape, data=data)
 
 
 def array_from_bytes(dtype: str, shape: tuple[int, ...], data: bytes | memoryview) -> np.ndarray:
@@ -111,10 +119,10 @@ class ObjectStorePayloads:
         return cls(obj, bucket)
 
     async def put(self, name: str, data: bytes) -> ev.PayloadRef:
-        await self.obj.put(name, data)
-        return ev.PayloadRef(
-            store=self.kind, bucket=self.bucket, name=name, size=len(data), sha256=sha256(data)
-        )
+        info = await self.obj.put(name, data)
+        # The object store hashed the bytes already ("SHA-256=<base64url>"): no second pass.
+        digest = base64.urlsafe_b64decode(info.digest.split("=", 1)[1]).hex()
+        return _ref(self, name, data, digest)
 
     async def get_bytes(self, ref: ev.PayloadRef) -> bytes:
         try:
@@ -145,9 +153,7 @@ class FilePayloads:
     async def put(self, name: str, data: bytes) -> ev.PayloadRef:
         path = self._path(name)
         await asyncio.to_thread(_atomic_write, path, data)
-        return ev.PayloadRef(
-            store=self.kind, bucket=self.bucket, name=name, size=len(data), sha256=sha256(data)
-        )
+        return _ref(self, name, data, sha256(data))
 
     async def get_bytes(self, ref: ev.PayloadRef) -> bytes:
         path = self._path(ref.name)
@@ -155,6 +161,10 @@ class FilePayloads:
             return await asyncio.to_thread(path.read_bytes)
         except FileNotFoundError:
             raise PayloadMissing(f"payload {path} not found") from None
+
+
+def _ref(store: ObjectStorePayloads | FilePayloads, name: str, data: bytes, digest: str) -> ev.PayloadRef:
+    return ev.PayloadRef(store=store.kind, bucket=store.bucket, name=name, size=len(data), sha256=digest)
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -189,22 +199,11 @@ class Payloads:
         self.inline_threshold = inline_threshold
 
     async def put_array(self, name: str, arr: np.ndarray) -> ev.ArrayRef:
-        dtype, shape, data = array_bytes(arr)
-        if len(data) <= self.inline_threshold:
-            return ev.InlineArray(dtype=dtype, shape=shape, data=data)
-        ref = await self.default.put(name, data)
-        return ev.PayloadRef(
-            store=ref.store,
-            bucket=ref.bucket,
-            name=ref.name,
-            size=ref.size,
-            sha256=ref.sha256,
-            dtype=dtype,
-            shape=shape,
-        )
-
-    async def put_bytes(self, name: str, data: bytes) -> ev.PayloadRef:
-        return await self.default.put(name, data)
+        inline = inline_array(arr)
+        if len(inline.data) <= self.inline_threshold:
+            return inline
+        ref = await self.default.put(name, inline.data)
+        return msgspec.structs.replace(ref, dtype=inline.dtype, shape=inline.shape)
 
     async def get_bytes(self, ref: ev.PayloadRef) -> bytes:
         store = self.stores.get(ref.store)

@@ -5,12 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from jetrl.bus import events as ev
-from jetrl.bus.payloads import array_bytes
-
-
-def inline(arr: np.ndarray) -> ev.InlineArray:
-    dtype, shape, data = array_bytes(arr)
-    return ev.InlineArray(dtype=dtype, shape=shape, data=data)
+from jetrl.bus.payloads import inline_array as inline
 
 
 def sample_bodies() -> list[ev.EventBody]:
