@@ -195,7 +195,7 @@ class Bus:
         cfg = api.ConsumerConfig(
             durable_name=spec.durable,
             name=spec.durable,
-            ack_policy=api.AckPolicy.EXPLICIT,
+            ack_policy=spec.ack_policy,
             ack_wait=spec.ack_wait,
             # Delivery attempts are bounded by the client (it dead-letters), never by the server,
             # which would otherwise leave an exhausted message unacked and invisible.
@@ -443,6 +443,8 @@ class ConsumerSpec:
     max_ack_pending: int = 1024
     deliver_policy: api.DeliverPolicy = api.DeliverPolicy.ALL
     start_seq: int | None = None
+    # ALL: one ack settles every message before it too (a consumer that acks whole batches).
+    ack_policy: api.AckPolicy = api.AckPolicy.EXPLICIT
 
 
 @dataclass

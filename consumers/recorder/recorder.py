@@ -54,7 +54,6 @@ class RecorderStats:
     skipped: int = 0
     rows: int = 0
     dead_lettered: int = 0
-    db_s: float = 0.0  # time spent applying and committing batches (on the database thread)
     # Seconds from an event's arrival in the log to the commit that recorded it (per batch, the
     # oldest event in it): what the bench's lag percentiles are made of.
     commit_lag_s: list[float] = field(default_factory=list)
@@ -93,13 +92,11 @@ class Recorder:
         self.log = log.bind(run_id=run_id, consumer=durable)
         self._stop = asyncio.Event()
         self._last_seq = 0
-        self._last_event_time: float | None = None
         # PostgreSQL works in its own process: committing on a thread lets the event loop parse
         # the prefetched batch meanwhile. SQLite's work is mostly Python holding the GIL, where
         # a thread only adds contention (measured: ~10% slower), so it runs inline by default.
         self.db_thread = store.backend != "sqlite" if db_thread is None else db_thread
         self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"recorder-{run_id}")
-        self._consumer: PullConsumer | None = None
         self._poisoned: list[int] = []  # sequences dead-lettered while fetching, not yet committed past
 
     # ------------------------------------------------------------------ control
@@ -112,10 +109,6 @@ class Recorder:
     def stop(self) -> None:
         """Stop after the batch being applied is committed and acked (signal-handler safe)."""
         self._stop.set()
-
-    @property
-    def stopping(self) -> bool:
-        return self._stop.is_set()
 
     async def _in_db(self, fn: Any, *args: Any) -> Any:
         if not self.db_thread:
@@ -160,32 +153,20 @@ class Recorder:
         # trusting the server's ack floor (which a crash between commit and ack leaves behind).
         with contextlib.suppress(nats.js.errors.NotFoundError):
             await self.bus.js.delete_consumer(self.stream, self.durable)
-        spec = ConsumerSpec(
-            run_id=self.run_id,
-            durable=self.durable,
-            filter_subjects=[subjects.all_subjects(self.run_id)],
-            ack_wait=self.ack_wait,
-            # Re-positioning on start makes redelivery counts meaningless: never park for them.
-            max_deliver=1_000_000,
-            max_ack_pending=self.batch * 4,
-            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
-            start_seq=start_seq,
+        consumer = await self.bus.consumer(
+            ConsumerSpec(
+                run_id=self.run_id,
+                durable=self.durable,
+                filter_subjects=[subjects.all_subjects(self.run_id)],
+                ack_wait=self.ack_wait,
+                # Re-positioning on start makes redelivery counts meaningless: never park for them.
+                max_deliver=1_000_000,
+                max_ack_pending=self.batch * 4,
+                deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+                start_seq=start_seq,
+                ack_policy=api.AckPolicy.ALL,  # one ack per batch (its last message)
+            )
         )
-        cfg = api.ConsumerConfig(
-            durable_name=self.durable,
-            name=self.durable,
-            # One ack per batch (its last message) settles the whole batch.
-            ack_policy=api.AckPolicy.ALL,
-            ack_wait=self.ack_wait,
-            max_deliver=-1,
-            max_ack_pending=spec.max_ack_pending,
-            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
-            opt_start_seq=start_seq,
-            filter_subject=subjects.all_subjects(self.run_id),
-        )
-        await self.bus.js.add_consumer(self.stream, config=cfg)
-        sub = await self.bus.js.pull_subscribe_bind(durable=self.durable, stream=self.stream)
-        consumer = PullConsumer(self.bus, spec, sub)
         consumer.on_dead_letter = self._poisoned.append
         return consumer
 
@@ -194,13 +175,6 @@ class Recorder:
             return read_offset(conn, self.stream, self.durable)
 
     def _apply(self, items: list[LogItem], through_seq: int) -> ApplyResult:
-        t0 = time.perf_counter()
-        try:
-            return self._apply_tx(items, through_seq)
-        finally:
-            self.stats.db_s += time.perf_counter() - t0
-
-    def _apply_tx(self, items: list[LogItem], through_seq: int) -> ApplyResult:
         with self.store.write() as conn:
             return apply_batch(
                 conn,
@@ -233,7 +207,7 @@ class Recorder:
         self._last_seq = await self._in_db(self._read_offset)
         if until_seq is not None and self._last_seq >= until_seq:
             return
-        consumer = self._consumer = await self._open_consumer(self._last_seq + 1)
+        consumer = await self._open_consumer(self._last_seq + 1)
         self.log.info(
             "recorder_started", stream=self.stream, resume_from=self._last_seq + 1, batch=self.batch
         )
@@ -277,7 +251,6 @@ class Recorder:
                 with contextlib.suppress(BaseException):
                     await fetch
             await consumer.unsubscribe()
-            self._consumer = None
             self.log.info(
                 "recorder_stopped",
                 recorded_seq=self._last_seq,
@@ -329,11 +302,11 @@ class Recorder:
             through = item.seq
             if item.event is not None and spoofed(self.run_id, item.subject, item.event) is None:
                 buf.append(LogItem(item.seq, item.subject, item.event))
-            if len(buf) >= self.batch or item.seq >= until:
+            if len(buf) >= self.batch:
                 await self._commit(buf, through, None)
                 buf = []
             if item.seq >= until:
                 break
-        if through > self._last_seq:
+        if through > self._last_seq:  # the rest, up to ``until``
             await self._commit(buf, through, None)
         return self._last_seq
