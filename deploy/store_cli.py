@@ -31,15 +31,13 @@ def _default_db(runs_dir: str, run: str) -> Path:
     return Path(runs_dir) / run / "store.db"
 
 
-def _open(args: argparse.Namespace, run: str | None = None, *, must_exist: bool = True) -> Store:
+def _open(args: argparse.Namespace, run: str) -> Store:
     from jetrl.store.db import open_store, sqlite_url
 
     if args.db:
         return open_store(args.db)
-    if run is None:
-        raise SystemExit("--db is required here")
     path = _default_db(args.runs_dir, run)
-    if must_exist and not path.exists():
+    if not path.exists():
         raise SystemExit(f"no store for run {run!r} at {path} (pass --db URL or --runs-dir)")
     return open_store(sqlite_url(path))
 
@@ -301,14 +299,12 @@ async def rebuild_run(
     and compare canonical dumps of every table. Returns (equal, old digests, new digests, diff).
     Stop the run's live recorder first: the rebuild rewrites its tracking row."""
     from jetrl.bus.client import Bus
-    from jetrl.bus.streams import stream_name
     from jetrl.consumers.recorder import Recorder
-    from jetrl.store import dump
-    from jetrl.store.projection import read_offset
+    from jetrl.store import dump, queries
 
     with store.read() as conn:
         before = dump.dump_run(conn, run)
-        recorded = read_offset(conn, stream_name(run), consumer)
+        recorded = queries.recorded_seq(conn, run, consumer)
     if recorded == 0:
         raise SystemExit(f"run {run!r} has nothing recorded by consumer {consumer!r}: nothing to rebuild")
     with store.write() as conn:
