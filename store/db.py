@@ -73,23 +73,22 @@ def make_engine(url: str, **kwargs: Any) -> sa.Engine:
     return sa.create_engine(u, **kwargs)
 
 
-def alembic_config(engine: sa.Engine | None = None) -> Config:
+def alembic_config() -> Config:
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
     cfg.set_main_option("path_separator", "os")
-    if engine is not None:
-        cfg.set_main_option(
-            "sqlalchemy.url", engine.url.render_as_string(hide_password=False).replace("%", "%%")
-        )
     return cfg
 
 
-def upgrade(engine: sa.Engine, revision: str = "head") -> None:
-    """Apply migrations up to ``revision`` on the engine's database (idempotent)."""
-    cfg = alembic_config(engine)
+def upgrade(engine: sa.Engine, revision: str = "head") -> tuple[str | None, str | None]:
+    """Apply migrations up to ``revision`` on the engine's database (idempotent), in one
+    transaction on one connection; returns the revisions before and after."""
+    cfg = alembic_config()
     with engine.begin() as conn:
-        cfg.attributes["connection"] = conn
+        before = MigrationContext.configure(conn).get_current_revision()
+        cfg.attributes["connection"] = conn  # migrations/env.py runs on this connection
         command.upgrade(cfg, revision)
+        return before, MigrationContext.configure(conn).get_current_revision()
 
 
 def current_revision(engine: sa.Engine) -> str | None:
@@ -106,7 +105,6 @@ class Store:
     """A migrated database holding one or more runs' projections."""
 
     engine: sa.Engine
-    url: str
 
     @property
     def backend(self) -> str:
@@ -133,16 +131,13 @@ class Store:
         self.close()
 
 
-def open_store(url: str, *, migrate: bool = True, **engine_kwargs: Any) -> Store:
+def open_store(url: str) -> Store:
     """Open (creating if needed) the store at ``url`` and bring its schema to the head
     revision. ``url`` is a SQLAlchemy URL; a plain path is taken as a SQLite file."""
     if "://" not in url:
         url = sqlite_url(url)
-    engine = make_engine(url, **engine_kwargs)
-    if migrate:
-        before = current_revision(engine)
-        upgrade(engine)
-        after = current_revision(engine)
-        if before != after:
-            log.info("store_migrated", backend=engine.dialect.name, from_rev=before, to_rev=after)
-    return Store(engine=engine, url=engine.url.render_as_string(hide_password=True))
+    engine = make_engine(url)
+    before, after = upgrade(engine)
+    if before != after:
+        log.info("store_migrated", backend=engine.dialect.name, from_rev=before, to_rev=after)
+    return Store(engine=engine)
