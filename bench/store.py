@@ -40,7 +40,7 @@ import sqlalchemy as sa
 from jetrl.bus.client import Bus
 from jetrl.bus.log import configure
 from jetrl.bus.server import EmbeddedServer
-from jetrl.bus.streams import StreamLimits
+from jetrl.bus.streams import StreamLimits, stream_name
 from jetrl.consumers.recorder import Recorder
 from jetrl.store import schema as sc
 from jetrl.store.db import Store, open_store
@@ -117,7 +117,7 @@ async def record_prefilled(nats_url: str, db_url: str, events: int, batch: int) 
         bad = check_projection(conn, run)
     if bad:
         raise SystemExit(f"recorder projection is wrong ({len(bad)} mismatches), e.g. {bad[:3]}")
-    await bus.js.delete_stream(f"JETRL_{run_id}")
+    await bus.js.delete_stream(stream_name(run_id))
     await bus.close()
     return elapsed, len(run.events), store
 
@@ -211,7 +211,7 @@ async def lag_under_load(
     await task
     rec.close()
     store.close()
-    await bus.js.delete_stream(f"JETRL_{run_id}")
+    await bus.js.delete_stream(stream_name(run_id))
     await bus.close()
     return samples, rec.stats.commit_lag_s, max_events, published / took
 

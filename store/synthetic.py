@@ -21,6 +21,7 @@ from typing import Any
 from jetrl.bus import events as ev
 from jetrl.bus import subjects
 from jetrl.bus.client import Bus
+from jetrl.bus.streams import payload_bucket
 from jetrl.store.projection import LogItem
 
 __all__ = ["SyntheticRun", "Truth", "log_items", "publish_events", "synthetic_run"]
@@ -158,7 +159,7 @@ def synthetic_run(
                 logprobs = _inline([round(-rng.random() * 3, 4) for _ in range(n)], "float32")
                 trace = ev.PayloadRef(
                     store="objstore",
-                    bucket=f"jetrl_{run_id}_payloads",
+                    bucket=payload_bucket(run_id),
                     name=f"trace/{_ids(rng)}",
                     size=(len(prompt) + n) * 4 * 2,
                     sha256=hashlib.sha256(rng.randbytes(8)).hexdigest(),
@@ -268,7 +269,7 @@ def synthetic_run(
                 version=version,
                 location=ev.PayloadRef(
                     store="objstore",
-                    bucket=f"jetrl_{run_id}_payloads",
+                    bucket=payload_bucket(run_id),
                     name=name,
                     size=4_000_000,
                     sha256=hashlib.sha256(checksum.encode()).hexdigest(),
@@ -277,7 +278,7 @@ def synthetic_run(
             )
         )
         truth.versions[version] = checksum
-        truth.weights_uri[version] = f"objstore://jetrl_{run_id}_payloads/{name}"
+        truth.weights_uri[version] = f"objstore://{payload_bucket(run_id)}/{name}"
         for wid in workers:
             if rng.random() < 0.8:  # some workers skip a version (their rollouts grow stale)
                 loaded[wid] = version
