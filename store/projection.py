@@ -14,6 +14,7 @@ same row (docs/store.md, "Exactness").
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -58,7 +59,7 @@ class Group:
     mode: Literal["first", "last"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # one module-level object per table: hashed by identity
 class Spec:
     table: sa.Table
     key: tuple[str, ...]
@@ -66,9 +67,9 @@ class Spec:
     # Columns computed from other columns after the groups are merged (Python and SQL alike).
     derived: tuple[str, ...] = ()
 
-    @property
-    def columns(self) -> list[str]:
-        return [c.name for c in self.table.columns]
+    @functools.cached_property
+    def columns(self) -> tuple[str, ...]:  # read for every new row folded: built once
+        return tuple(c.name for c in self.table.columns)
 
     def group(self, seq_col: str) -> Group:
         for g in self.groups:
