@@ -116,12 +116,22 @@ def collate(rollouts: Sequence[Rollout], model_cfg: ModelConfig, *, pad_id: int 
 
 
 def token_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *, with_entropy: bool = False
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Float32 log-probs of ``targets`` under ``softmax(logits / temperature)`` (+ entropy)."""
+    """Float32 log-probs of ``targets`` under ``softmax(logits / temperature)`` (+ entropy).
+    Without ``entropy_grad`` the entropy is a metric only: computed outside autograd, so no
+    full-vocabulary tensor is kept for the backward pass."""
     logp = torch.log_softmax(logits.float() / (temperature if temperature > 0 else 1.0), dim=-1)
     lp = logp.gather(-1, targets[..., None]).squeeze(-1)
-    ent = -(logp.exp() * logp).sum(-1) if with_entropy else None
+    ent = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            ent = -(logp.exp() * logp).sum(-1)
     return lp, ent
 
 
@@ -132,6 +142,7 @@ def compute_logprobs(
     temperature: float = 1.0,
     replay: bool = True,
     with_entropy: bool = False,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Trainer log-probs ``[B, L-1]`` of each next token, replaying the batch's routing when
     ``replay`` (an MoE batch without traces is an error then)."""
@@ -144,7 +155,7 @@ def compute_logprobs(
             logits = model(inputs)
     else:
         logits = model(inputs)
-    return token_logprobs(logits, targets, temperature, with_entropy=with_entropy)
+    return token_logprobs(logits, targets, temperature, with_entropy=with_entropy, entropy_grad=entropy_grad)
 
 
 def forward_backward(
@@ -158,7 +169,14 @@ def forward_backward(
 ) -> dict[str, float]:
     """Forward (with replay), loss, backward; gradients accumulate. ``num_tokens`` is the loss
     normaliser of the whole step when it spans several micro-batches."""
-    lp, ent = compute_logprobs(model, batch, temperature=temperature, replay=replay, with_entropy=True)
+    lp, ent = compute_logprobs(
+        model,
+        batch,
+        temperature=temperature,
+        replay=replay,
+        with_entropy=True,  # always a metric; in the loss (with its gradient) only when weighted
+        entropy_grad=loss_cfg.entropy_coef > 0,
+    )
     loss, metrics = rl_loss(
         lp,
         batch.inference_logprobs,
