@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from jetrl.policy.models import model_config, moe_routers
+from jetrl.policy.models import ModelConfig, model_config, moe_routers
 
 _NP_DTYPES = {torch.uint8: np.uint8, torch.uint16: np.uint16}
 
@@ -99,9 +99,9 @@ def check_trace(
 
 
 def check_trace_for(
-    model: nn.Module, trace: torch.Tensor, prompt_len: int, completion_len: int, what: str = "trace"
+    cfg: ModelConfig, trace: torch.Tensor, prompt_len: int, completion_len: int, what: str = "trace"
 ) -> None:
-    cfg = model_config(model)
+    """``trace`` checked against the model config for a prompt and completion of these lengths."""
     check_trace(
         trace,
         num_tokens=trace_length(prompt_len, completion_len),

@@ -21,7 +21,7 @@ from torch import nn
 
 from jetrl.policy.loss import DEFAULT_LOSS, LossConfig, rl_loss
 from jetrl.policy.models import ModelConfig, model_config
-from jetrl.policy.routing import TraceError, check_trace, pad_traces, replay_routing, trace_length
+from jetrl.policy.routing import TraceError, check_trace_for, pad_traces, replay_routing
 
 
 @dataclass(slots=True)
@@ -99,13 +99,8 @@ def collate(rollouts: Sequence[Rollout], model_cfg: ModelConfig, *, pad_id: int 
         if r.routing is not None:
             if not model_cfg.is_moe:
                 raise TraceError(f"rollout {i}: has a routing trace but {model_cfg.name} is dense")
-            check_trace(
-                r.routing,
-                num_tokens=trace_length(p, c),
-                num_moe_layers=model_cfg.num_moe_layers,
-                top_k=model_cfg.top_k,
-                num_experts=model_cfg.num_experts,
-                what=f"rollout {i} ({p} prompt + {c} completion tokens) trace",
+            check_trace_for(
+                model_cfg, r.routing, p, c, what=f"rollout {i} ({p} prompt + {c} completion tokens) trace"
             )
             traces.append(r.routing)
     if int(ids.max()) >= model_cfg.vocab_size or int(ids.min()) < 0:
