@@ -359,7 +359,3 @@ def moe_layers(model: nn.Module) -> list[MoE]:
 
 def moe_routers(model: nn.Module) -> list[TokenChoiceTopKRouter]:
     return [m.router for m in moe_layers(model)]
-
-
-def param_count(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())

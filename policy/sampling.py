@@ -108,7 +108,6 @@ def generate(
     *,
     generator: torch.Generator | None = None,
     pad_id: int = 0,
-    record_routing: bool = True,
 ) -> list[Generation]:
     """Sample one completion per prompt. The model runs in its own dtype and eval mode."""
     mcfg = model_config(model)
@@ -131,7 +130,7 @@ def generate(
         valid[i, width - len(p) :] = True
     positions = (valid.long().cumsum(1) - 1).clamp(min=0)
     stop = torch.as_tensor(cfg.stop_token_ids, dtype=torch.long, device=device)
-    capture = record_routing and mcfg.is_moe
+    capture = mcfg.is_moe
 
     was_training = model.training
     model.eval()

@@ -29,10 +29,6 @@ class CharTokenizer:
     def vocab_size(self) -> int:
         return len(SPECIAL_TOKENS) + len(self.alphabet)
 
-    @property
-    def special_ids(self) -> frozenset[int]:
-        return frozenset(range(len(SPECIAL_TOKENS)))
-
     def encode(self, text: str, *, bos: bool = True, eos: bool = False) -> list[int]:
         try:
             ids = [self._ids[c] for c in text]

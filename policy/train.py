@@ -50,15 +50,6 @@ class TrainBatch:
     def num_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
-    def to(self, device: torch.device | str) -> TrainBatch:
-        return TrainBatch(
-            self.input_ids.to(device),
-            self.loss_mask.to(device),
-            self.inference_logprobs.to(device),
-            self.advantages.to(device),
-            None if self.routing is None else self.routing.to(device),
-        )
-
 
 def collate(rollouts: Sequence[Rollout], model_cfg: ModelConfig, *, pad_id: int = 0) -> TrainBatch:
     """Pad rollouts into a batch, checking every length and trace against ``model_cfg``."""

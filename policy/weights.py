@@ -148,11 +148,9 @@ def weights_to_bytes(
 
 
 def weights_from_bytes(
-    data: bytes, *, expected_checksum: str | None = None, verify: bool = True
+    data: bytes, *, expected_checksum: str | None = None
 ) -> tuple[dict[str, torch.Tensor], str]:
     tensors = st_load(data)
-    if not verify:
-        return tensors, checksum(tensors)
     return tensors, _verify(
         tensors, read_metadata(data).get(META_CHECKSUM), expected_checksum, "weights bytes"
     )

@@ -37,8 +37,7 @@ class Checkpoint:
 class TrainCore:
     def __init__(self, settings: Any) -> None:
         self.s = settings
-        torch.set_num_threads(settings.threads)
-        set_deterministic(settings.seed)
+        set_deterministic(settings.seed, num_threads=settings.threads)
         self.mcfg = get_config(settings.model, **settings.model_overrides)
         self.model = build_model(self.mcfg, seed=settings.seed)
         self.optimizer = make_optimizer(self.model, lr=settings.lr, weight_decay=settings.weight_decay)
@@ -110,7 +109,7 @@ class TrainCore:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        for old in sorted(directory.glob("ckpt-v*.pt"))[:-keep]:
+        for old in list_checkpoints(directory)[keep:]:
             old.unlink(missing_ok=True)
         return Checkpoint(version, digest, log_seq, path)
 

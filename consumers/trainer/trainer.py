@@ -165,7 +165,10 @@ class Trainer:
         WeightsReady. Both event ids derive from the version, so a repeat is stored once."""
         assert self.weights_store is not None
         v = self.version
-        data, digest = weights_to_bytes(self.core.model, {"version": str(v), "run": self.run_id})
+        # Serialising and hashing every weight is CPU work: off the event loop, like training.
+        data, digest = await asyncio.to_thread(
+            weights_to_bytes, self.core.model, {"version": str(v), "run": self.run_id}
+        )
         ref = await self.weights_store.put(f"weights-v{v}", data)
         await self.bus.publish(
             ev.new_event(
