@@ -119,6 +119,9 @@ def test_prompt_validation(model):
 
 def test_generation_keeps_training_mode(model, tok):
     model.train()
-    generate(build_model("tiny-dense"), _prompts(tok), SamplingConfig(max_tokens=2))
+    dense = build_model("tiny-dense")
+    dense.train()
+    gens = generate(dense, _prompts(tok), SamplingConfig(max_tokens=2))
+    assert dense.training and all(g.routing is None for g in gens)  # a dense model has no trace
     generate(model, _prompts(tok), SamplingConfig(max_tokens=2))
     assert model.training
