@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -12,6 +13,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
+from jetrl.bus.client import Bus
 from jetrl.bus.log import configure
 
 T = TypeVar("T", bound=BaseModel)
@@ -48,3 +50,33 @@ def run_process(
         return int(await main(stop) or 0)
 
     return asyncio.run(runner())
+
+
+def part_main(
+    argv: list[str] | None,
+    *,
+    prog: str,
+    settings_model: type[T],
+    client_name: Callable[[argparse.Namespace, T], str],
+    body: Callable[[Bus, argparse.Namespace, T, asyncio.Event], Awaitable[int | None]],
+    options: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> int:
+    """The entry point of a part (``python -m jetrl.<part> --nats-url URL --run RUN
+    [--settings JSON]`` plus its ``options``): parse, connect, run ``body`` until stopped."""
+    ap = argparse.ArgumentParser(prog=prog)
+    ap.add_argument("--nats-url", required=True)
+    ap.add_argument("--run", required=True)
+    ap.add_argument("--settings", default="{}", help="settings as JSON, or @path to a JSON file")
+    if options is not None:
+        options(ap)
+    args = ap.parse_args(argv)
+    settings = load_settings(settings_model, args.settings)
+
+    async def go(stop: asyncio.Event) -> int | None:
+        bus = await Bus.connect(args.nats_url, name=client_name(args, settings))
+        try:
+            return await body(bus, args, settings, stop)
+        finally:
+            await bus.close()
+
+    return run_process(go)

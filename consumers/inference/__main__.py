@@ -2,33 +2,21 @@
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import sys
 
-from jetrl.bus.client import Bus
-from jetrl.bus.runtime import load_settings, run_process
+from jetrl.bus.runtime import part_main
 from jetrl.consumers.inference.worker import InferenceSettings, InferenceWorker
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="jetrl-inference")
-    ap.add_argument("--nats-url", required=True)
-    ap.add_argument("--run", required=True)
-    ap.add_argument("--worker-id", required=True)
-    ap.add_argument("--settings", default="{}", help="InferenceSettings as JSON, or @path to a JSON file")
-    args = ap.parse_args(argv)
-    settings = load_settings(InferenceSettings, args.settings)
-
-    async def go(stop: asyncio.Event) -> int:
-        bus = await Bus.connect(args.nats_url, name=f"inference-{args.worker_id}")
-        try:
-            await InferenceWorker(bus, args.run, args.worker_id, settings).run(stop)
-        finally:
-            await bus.close()
-        return 0
-
-    return run_process(go)
+    return part_main(
+        argv,
+        prog="jetrl-inference",
+        settings_model=InferenceSettings,
+        client_name=lambda args, s: f"inference-{args.worker_id}",
+        body=lambda bus, args, s, stop: InferenceWorker(bus, args.run, args.worker_id, s).run(stop),
+        options=lambda ap: ap.add_argument("--worker-id", required=True),
+    )
 
 
 if __name__ == "__main__":

@@ -2,33 +2,22 @@
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import sys
 from pathlib import Path
 
-from jetrl.bus.client import Bus
-from jetrl.bus.runtime import load_settings, run_process
+from jetrl.bus.runtime import part_main
 from jetrl.consumers.trainer.trainer import Trainer, TrainerSettings
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="jetrl-trainer")
-    ap.add_argument("--nats-url", required=True)
-    ap.add_argument("--run", required=True)
-    ap.add_argument("--run-dir", required=True, type=Path)
-    ap.add_argument("--settings", default="{}", help="TrainerSettings as JSON, or @path to a JSON file")
-    args = ap.parse_args(argv)
-    settings = load_settings(TrainerSettings, args.settings)
-
-    async def go(stop: asyncio.Event) -> int:
-        bus = await Bus.connect(args.nats_url, name="trainer")
-        try:
-            return await Trainer(bus, args.run, settings, args.run_dir).run(stop)
-        finally:
-            await bus.close()
-
-    return run_process(go)
+    return part_main(
+        argv,
+        prog="jetrl-trainer",
+        settings_model=TrainerSettings,
+        client_name=lambda args, s: "trainer",
+        body=lambda bus, args, s, stop: Trainer(bus, args.run, s, args.run_dir).run(stop),
+        options=lambda ap: ap.add_argument("--run-dir", required=True, type=Path),
+    )
 
 
 if __name__ == "__main__":
