@@ -135,23 +135,10 @@ CONFIGS: dict[str, ModelConfig] = {
         attention="flex",
         load_balance_coeff=1e-3,
     ),
-    "qwen3-235b-a22b": ModelConfig(
-        name="qwen3-235b-a22b",
-        vocab_size=151936,
-        dim=4096,
-        n_layers=94,
-        n_heads=64,
-        n_kv_heads=4,
-        head_dim=128,
-        max_seq_len=40960,
-        num_experts=128,
-        top_k=8,
-        moe_hidden_dim=1536,
-        rope_theta=5_000_000.0,
-        attention="flex",
-        load_balance_coeff=1e-3,
-    ),
 }
+CONFIGS["qwen3-235b-a22b"] = CONFIGS["qwen3-30b-a3b"].replace(
+    name="qwen3-235b-a22b", dim=4096, n_layers=94, n_heads=64, moe_hidden_dim=1536, rope_theta=5_000_000.0
+)
 
 
 def get_config(name: str, **overrides: object) -> ModelConfig:
