@@ -149,6 +149,7 @@ def synthetic_run(
             )
             truth.tasks += 1
             group_id = _ids(rng)
+            prompt_arr = _inline(prompt, "int32")  # packed once for the whole group
             for i in range(group_size):
                 wid = rng.choice(workers)
                 # A worker's version lags the trainer; sometimes by more than the bound.
@@ -166,24 +167,28 @@ def synthetic_run(
                     dtype="uint8",
                     shape=(len(prompt) + n, 4, 2),
                 )
+                # What a generation and its scored rollout carry alike.
+                shared: dict[str, Any] = {
+                    "task_id": task_id,
+                    "env": env,
+                    "group_id": group_id,
+                    "sample_index": i,
+                    "group_size": group_size,
+                    "prompt_tokens": prompt_arr,
+                    "completion_tokens": completion,
+                    "logprobs": logprobs,
+                    "policy_version_start": pv_start,
+                    "policy_version_end": pv_end,
+                    "routing_trace": trace,
+                }
                 gen = emit(
                     ev.GenerationCompleted(
                         generation_id=_ids(rng),
-                        task_id=task_id,
-                        env=env,
-                        group_id=group_id,
-                        sample_index=i,
-                        group_size=group_size,
-                        prompt_tokens=_inline(prompt, "int32"),
-                        completion_tokens=completion,
-                        logprobs=logprobs,
-                        policy_version_start=pv_start,
-                        policy_version_end=pv_end,
                         worker_id=wid,
-                        routing_trace=trace,
                         timings=ev.GenerationTimings(
                             queued_s=0.01, generate_s=round(rng.uniform(0.1, 2.0), 4)
                         ),
+                        **shared,
                     ),
                     tenant,
                     task.event_id,
@@ -195,19 +200,9 @@ def synthetic_run(
                     ev.RolloutScored(
                         rollout_id=rid,
                         generation_event_id=gen.event_id,
-                        task_id=task_id,
-                        env=env,
-                        group_id=group_id,
-                        sample_index=i,
-                        group_size=group_size,
                         reward=reward,
-                        prompt_tokens=_inline(prompt, "int32"),
-                        completion_tokens=completion,
-                        logprobs=logprobs,
-                        policy_version_start=pv_start,
-                        policy_version_end=pv_end,
                         reward_parts={"correct": reward, "format": 1.0},
-                        routing_trace=trace,
+                        **shared,
                     ),
                     tenant,
                     gen.event_id,
