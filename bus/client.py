@@ -659,20 +659,39 @@ class PullConsumer:
         batch: int = 32,
         fetch_timeout: float = 1.0,
         stop: asyncio.Event | None = None,
+        concurrency: int = 1,
+        drain_s: float = 10.0,
     ) -> None:
-        """Handle events one at a time until ``stop`` is set. A handler acks implicitly by
-        returning (or explicitly via the delivery), raises :class:`Reject` to dead-letter, or
-        raises anything else to be retried with backoff."""
+        """Handle events until ``stop`` is set, up to ``concurrency`` at once (one at a time, in
+        order, by default). A handler acks implicitly by returning (or explicitly via the
+        delivery), raises :class:`Reject` to dead-letter, or raises anything else to be retried
+        with backoff. On stop, handlers still running get ``drain_s`` seconds to finish."""
         stop = stop or asyncio.Event()
-        while not stop.is_set():
-            for d in await self.fetch(batch, timeout=fetch_timeout):
-                try:
-                    await handler(d.event, d)
-                except Exception as exc:
-                    await self.settle_failure(d, exc)
-                    continue
+        slots = asyncio.Semaphore(concurrency)
+        inflight: set[asyncio.Task[None]] = set()
+
+        async def one(d: Delivery) -> None:
+            try:
+                await handler(d.event, d)
+            except Exception as exc:
+                await self.settle_failure(d, exc)
+            else:
                 await d.ack()
                 self.stats.acked += 1
+            finally:
+                slots.release()
+
+        while not stop.is_set():
+            for d in await self.fetch(batch, timeout=fetch_timeout):
+                await slots.acquire()
+                if concurrency == 1:
+                    await one(d)  # no task per message on the sequential path
+                    continue
+                t = asyncio.create_task(one(d))
+                inflight.add(t)
+                t.add_done_callback(inflight.discard)
+        if inflight:
+            await asyncio.wait(inflight, timeout=drain_s)
 
     async def info(self) -> api.ConsumerInfo:
         return await self.bus.js.consumer_info(stream_name(self.spec.run_id), self.spec.durable)

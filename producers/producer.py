@@ -319,27 +319,13 @@ class EnvProducer:
                 max_ack_pending=100_000,
             )
         )
-        slots = asyncio.Semaphore(self.s.max_concurrent_scoring)
-        inflight: set[asyncio.Task[None]] = set()
-
-        async def one(d: Delivery) -> None:
-            try:
-                await self.score(d)
-            except Exception as exc:
-                await consumer.settle_failure(d, exc)
-            else:
-                await d.ack()
-            finally:
-                slots.release()
-
-        while not stop.is_set():
-            for d in await consumer.fetch(128, timeout=0.3):
-                await slots.acquire()
-                t = asyncio.create_task(one(d))
-                inflight.add(t)
-                t.add_done_callback(inflight.discard)
-        if inflight:
-            await asyncio.wait(inflight, timeout=10)
+        await consumer.run(
+            lambda event, d: self.score(d),
+            batch=128,
+            fetch_timeout=0.3,
+            stop=stop,
+            concurrency=self.s.max_concurrent_scoring,  # slow environments score side by side
+        )
 
     async def run(self, stop: asyncio.Event) -> None:
         self.payloads = Payloads(await ObjectStorePayloads.for_run(self.bus.js, self.run_id))

@@ -200,6 +200,34 @@ async def test_message_that_kills_its_worker_is_parked_after_max_deliver(
     assert dls[0].reason == "max_deliver" and dls[0].original_event_id == e.event_id
 
 
+async def test_run_handles_up_to_concurrency_events_at_once(bus: Bus, run_id: str) -> None:
+    """Four handlers must be running together before any may finish: with less concurrency
+    than that the run would wait forever (bounded here)."""
+    for i in range(4):
+        await bus.publish(
+            ev.new_event(ev.StepCompleted(step=i, policy_version=i, rollout_ids=[]), run_id=run_id)
+        )
+    running, all_in = 0, asyncio.Event()
+
+    async def handler(event: ev.Event, d: Delivery) -> None:
+        nonlocal running
+        running += 1
+        if running == 4:
+            all_in.set()
+        await all_in.wait()
+
+    spec = ConsumerSpec(run_id=run_id, durable="wide", filter_subjects=[subjects.step_subject(run_id)])
+    c = await bus.consumer(spec)
+    stop = asyncio.Event()
+    task = asyncio.create_task(c.run(handler, batch=8, fetch_timeout=0.3, stop=stop, concurrency=4))
+    await asyncio.wait_for(all_in.wait(), timeout=20)
+    while c.stats.acked < 4:
+        await asyncio.sleep(0.05)
+    stop.set()
+    await task
+    assert (await c.info()).num_ack_pending == 0
+
+
 async def test_in_progress_keeps_long_work_from_redelivery(bus: Bus, run_id: str) -> None:
     e = ev.new_event(ev.StepCompleted(step=1, policy_version=1, rollout_ids=[]), run_id=run_id)
     await bus.publish(e)
