@@ -137,14 +137,15 @@ class Recorder:
     # ------------------------------------------------------------------ live recording
 
     async def _wait_for_stream(self) -> None:
-        delay, waited = 0.2, 0.0
+        delay, waited, next_log = 0.2, 0.0, 0.0
         while not self._stop.is_set():
             try:
                 await self.bus.js.stream_info(self.stream)
                 return
             except nats.js.errors.NotFoundError:
-                if waited == 0.0 or int(waited) % 10 == 0:
+                if waited >= next_log:  # once at first, then every 10 s
                     self.log.info("waiting_for_stream", stream=self.stream)
+                    next_log += 10.0
                 await asyncio.sleep(delay)
                 waited += delay
 
