@@ -8,7 +8,6 @@ weights on CPU. That is what lets a restarted trainer re-take logged steps, and 
 
 from __future__ import annotations
 
-import asyncio
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -53,27 +52,25 @@ class TrainCore:
         group_idx = torch.tensor([ids.setdefault(b.group_id, len(ids)) for b in bodies])
         rewards = torch.tensor([b.reward for b in bodies], dtype=torch.float32)
         adv = group_advantages(rewards, group_idx, std_scale=self.s.std_scale_advantages)
-
-        async def one(b: ev.RolloutScored, advantage: float) -> Rollout:
-            # A rollout's arrays (object-store round trips when large) are read together.
-            replay = b.routing_trace is not None and self.s.replay
-            prompt, completion, lps, trace, mask = await asyncio.gather(
-                payloads.get_array(b.prompt_tokens),
-                payloads.get_array(b.completion_tokens),
-                payloads.get_array(b.logprobs),
-                payloads.get_array(b.routing_trace) if replay else _none(),
-                payloads.get_array(b.completion_mask) if b.completion_mask is not None else _none(),
+        out: list[Rollout] = []
+        for i, b in enumerate(bodies):
+            trace = None
+            if b.routing_trace is not None and self.s.replay:
+                trace = torch.from_numpy((await payloads.get_array(b.routing_trace)).astype("int64"))
+            mask = None
+            if b.completion_mask is not None:
+                mask = [bool(x) for x in (await payloads.get_array(b.completion_mask)).tolist()]
+            out.append(
+                Rollout(
+                    prompt_ids=(await payloads.get_array(b.prompt_tokens)).tolist(),
+                    completion_ids=(await payloads.get_array(b.completion_tokens)).tolist(),
+                    inference_logprobs=torch.from_numpy((await payloads.get_array(b.logprobs)).copy()),
+                    advantage=float(adv[i]),
+                    routing=trace,
+                    completion_mask=mask,
+                )
             )
-            return Rollout(
-                prompt_ids=prompt.tolist(),
-                completion_ids=completion.tolist(),
-                inference_logprobs=torch.from_numpy(lps.copy()),
-                advantage=advantage,
-                routing=None if trace is None else torch.from_numpy(trace.astype("int64")),
-                completion_mask=None if mask is None else [bool(x) for x in mask.tolist()],
-            )
-
-        return list(await asyncio.gather(*(one(b, float(adv[i])) for i, b in enumerate(bodies))))
+        return out
 
     def train(self, rollouts: list[Rollout]) -> dict[str, float]:
         batch = collate(rollouts, self.mcfg)
@@ -128,10 +125,6 @@ class TrainCore:
                 f"{path}: weights checksum {digest} does not match the recorded {state['weights_checksum']}"
             )
         return Checkpoint(int(state["version"]), digest, int(state["log_seq"]), path)
-
-
-async def _none() -> None:
-    return None
 
 
 def checkpoint_path(directory: Path, version: int) -> Path:
