@@ -14,8 +14,8 @@ _COMMAND_MODULES = [
     "jetrl.deploy.run_cmd",
     "jetrl.deploy.replay_cmd",
     "jetrl.deploy.resume_cmd",
-    "jetrl.deploy.store_cli",
-    "jetrl.deploy.bus_demo",
+    "jetrl.deploy.store_cmd",
+    "jetrl.deploy.bus_demo_cmd",
     "jetrl.deploy.gateway_cmd",
 ]
 

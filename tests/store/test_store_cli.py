@@ -1,4 +1,4 @@
-"""The store's CLI commands (deploy/store_cli.py) on a recorded run."""
+"""The store's CLI commands (deploy/store_cmd.py) on a recorded run."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from jetrl.bus.client import Bus
 from jetrl.bus.server import EmbeddedServer
 from jetrl.consumers.recorder import Recorder
-from jetrl.deploy import store_cli
+from jetrl.deploy import store_cmd
 from jetrl.store import schema as sc
 from jetrl.store.db import open_store
 from jetrl.store.synthetic import SyntheticRun, publish_events, synthetic_run
@@ -24,7 +24,7 @@ TEST_LIMITS_BYTES = 64 * 1024**2
 
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    store_cli.add_store_commands(p.add_subparsers(dest="command", required=True))
+    store_cmd.add_store_commands(p.add_subparsers(dest="command", required=True))
     return p.parse_args(argv)
 
 
@@ -121,4 +121,4 @@ def test_default_store_is_the_run_directory_sqlite_file(
     assert args.func(args) == 0
     assert len(json.loads(capsys.readouterr().out)) == 2
     with pytest.raises(SystemExit, match="no store"):
-        store_cli.cmd_history(parse(["history", "missing", "--runs-dir", str(tmp_path)]))
+        store_cmd.cmd_history(parse(["history", "missing", "--runs-dir", str(tmp_path)]))
