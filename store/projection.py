@@ -14,18 +14,31 @@ same row (docs/store.md, "Exactness").
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
 from jetrl.bus import events as ev
 from jetrl.store import schema as sc
+from jetrl.store.specs import (
+    DEAD_LETTERS,
+    GENERATIONS,
+    POLICY_VERSIONS,
+    ROLLOUTS,
+    RUNS,
+    SPECS,
+    STEP_ROLLOUTS,
+    STEPS,
+    TASKS,
+    WORKERS,
+    Group,
+    Spec,
+)
 
 __all__ = ["ApplyResult", "LogItem", "apply_batch", "fold", "read_offset", "upsert_rows"]
 
@@ -45,150 +58,6 @@ class ApplyResult:
     skipped: int
     last_seq: int
     rows: int
-
-
-# ----------------------------------------------------------------------------- table specs
-
-
-@dataclass(frozen=True)
-class Group:
-    """Columns written together by one kind of event, guarded by ``seq_col``."""
-
-    seq_col: str
-    cols: tuple[str, ...]
-    mode: Literal["first", "last"]
-
-
-@dataclass(frozen=True, eq=False)  # one module-level object per table: hashed by identity
-class Spec:
-    table: sa.Table
-    key: tuple[str, ...]
-    groups: tuple[Group, ...] = ()  # none: the row is one fact, first one wins (DO NOTHING)
-    # Columns computed from other columns after the groups are merged (Python and SQL alike).
-    derived: tuple[str, ...] = ()
-
-    @functools.cached_property
-    def columns(self) -> tuple[str, ...]:  # read for every new row folded: built once
-        return tuple(c.name for c in self.table.columns)
-
-    def group(self, seq_col: str) -> Group:
-        for g in self.groups:
-            if g.seq_col == seq_col:
-                return g
-        raise KeyError(seq_col)
-
-
-T = sc.Base.metadata.tables
-RUNS = Spec(
-    T["runs"],
-    ("run_id",),
-    (
-        Group(
-            "started_seq",
-            (
-                "tenant",
-                "config",
-                "code_version",
-                "host",
-                "library_versions",
-                "started_at",
-                "started_event_id",
-            ),
-            "first",
-        ),
-        Group("finished_seq", ("status", "steps", "finish_reason", "finished_at"), "last"),
-    ),
-)
-TASKS = Spec(T["tasks"], ("run_id", "task_id"))
-GENERATIONS = Spec(T["generations"], ("run_id", "event_id"))
-ROLLOUTS = Spec(
-    T["rollouts"],
-    ("run_id", "rollout_id"),
-    (
-        Group(
-            "scored_seq",
-            (
-                "tenant",
-                "env",
-                "group_id",
-                "task_id",
-                "generation_event_id",
-                "sample_index",
-                "group_size",
-                "reward",
-                "reward_parts",
-                "policy_version_start",
-                "policy_version_end",
-                "prompt_tokens",
-                "completion_tokens",
-                "payloads",
-                "scored_at",
-                "scored_event_id",
-            ),
-            "first",
-        ),
-        Group(
-            "withheld_seq",
-            (
-                "withheld_reason",
-                "withheld_detail",
-                "withheld_step",
-                "withheld_policy_version",
-                "withheld_staleness",
-                "withheld_at",
-            ),
-            "first",
-        ),
-        Group("trained_seq", ("trained_step", "train_position"), "first"),
-    ),
-    derived=("staleness",),
-)
-STEP_ROLLOUTS = Spec(T["step_rollouts"], ("run_id", "step", "position"))
-STEPS = Spec(T["steps"], ("run_id", "step"))
-POLICY_VERSIONS = Spec(
-    T["policy_versions"],
-    ("run_id", "version"),
-    (
-        Group("published_seq", ("step", "weights_checksum", "parent_version", "published_at"), "first"),
-        Group(
-            "ready_seq",
-            (
-                "location",
-                "location_store",
-                "location_uri",
-                "size",
-                "sha256",
-                "format",
-                "ready_checksum",
-                "ready_at",
-            ),
-            "first",
-        ),
-    ),
-)
-WORKERS = Spec(
-    T["workers"],
-    ("run_id", "worker_id"),
-    (
-        Group("heartbeat_seq", ("kind", "status", "inflight", "stats", "last_heartbeat_at"), "last"),
-        Group("loaded_seq", ("loaded_version", "loaded_at"), "last"),
-        Group("load_seq", ("last_load_s", "checksum_verified"), "last"),
-    ),
-)
-DEAD_LETTERS = Spec(T["dead_letters"], ("run_id", "event_id"))
-
-# Write order of a batch; any order gives the same rows, a fixed one keeps lock order stable.
-SPECS: tuple[Spec, ...] = (
-    RUNS,
-    TASKS,
-    GENERATIONS,
-    ROLLOUTS,
-    STEP_ROLLOUTS,
-    STEPS,
-    POLICY_VERSIONS,
-    WORKERS,
-    DEAD_LETTERS,
-)
 
 
 # ----------------------------------------------------------------------------- event → partial rows
