@@ -1,7 +1,10 @@
 """Run configuration: a TOML file validated by pydantic, with ``--section.key value`` overrides.
 
-The resolved config is recorded in the run's RunStarted event and in ``<run dir>/config.json``.
-Each process receives only its own settings (trainer, inference, producer), derived here.
+Each section is the settings class of the room that uses it (``[trainer]`` is
+consumers/trainer/settings.py's, ``[[envs]]`` producers/settings.py's, ...); this module only
+composes them. The resolved config is recorded in the run's RunStarted event and in
+``<run dir>/config.json``. Each process is handed only its part (trainer, inference, producer),
+composed here. Nothing here imports torch: any config is read and validated without it.
 """
 
 from __future__ import annotations
@@ -9,159 +12,83 @@ from __future__ import annotations
 import contextlib
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
-from jetrl.bus.streams import GiB, StreamLimits
-from jetrl.bus.subjects import check_token
-from jetrl.consumers.inference.worker import InferenceSettings
-from jetrl.consumers.trainer.trainer import TrainerSettings
+from jetrl.bus.settings import BusSettings, Section
+from jetrl.consumers.inference.settings import InferencePart, InferenceSettings
+from jetrl.consumers.trainer.settings import TrainerPart, TrainerSettings
+from jetrl.policy.settings import ModelSettings
 from jetrl.producers.environments import make_environment
-from jetrl.producers.producer import ProducerSettings
+from jetrl.producers.settings import EnvSettings, ProducerPart
+from jetrl.store.settings import StoreSettings
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class RunSection(_Section):
+class RunSettings(Section):
     name: str = "run"  # run ids are <name>-<timestamp> unless --run-id is given
     seed: int = 0
     runs_dir: str = "runs"
     max_wall_s: float | None = Field(None, gt=0)  # stop the run after this many seconds
 
 
-class ModelSection(_Section):
-    name: str = "tiny-moe"  # a config of jetrl.policy.models.CONFIGS
-    overrides: dict[str, Any] = Field(default_factory=dict)
+class RunConfig(Section):
+    """A run config: each section is the settings class of the room that uses it."""
 
-
-class TrainerSection(_Section):
-    lr: float = 5e-4
-    weight_decay: float = 0.0
-    batch_groups: int = Field(8, ge=1)
-    max_off_policy_steps: int = Field(1, ge=0)
-    max_steps: int = Field(1000, ge=1)
-    stop_at_reward: float | None = None
-    reward_window: int = Field(10, ge=1)
-    replay: bool = True
-    kl_coef: float = Field(1e-3, ge=0)
-    entropy_coef: float = Field(0.0, ge=0)
-    std_scale_advantages: bool = False
-    max_grad_norm: float = 1.0
-    checkpoint_every: int = Field(10, ge=0)
-    threads: int = Field(1, ge=1)
-    ack_wait_s: float = Field(30.0, gt=0)  # how soon rollouts held by a dead trainer are redelivered
-
-
-class InferenceSection(_Section):
-    workers: int = Field(1, ge=1)
-    precision: Literal["bf16", "fp32"] = "bf16"
-    max_batch_tasks: int = Field(8, ge=1)
-    top_p: float = Field(1.0, gt=0, le=1)
-    threads: int = Field(1, ge=1)
-    ack_wait_s: float = Field(30.0, gt=0)  # how soon tasks held by a dead worker go to another
-
-
-class EnvSection(_Section):
-    name: str = "modsum"  # the environment's name in subjects, ids and the store
-    kind: str | None = None  # which environment: a built-in or "verifiers"; default: name
-    tenant: str = "default"
-    group_size: int = Field(16, ge=2)
-    share: float = Field(1.0, gt=0)  # relative share of each trainer batch
-    temperature: float = Field(1.0, ge=0)
-    params: dict[str, Any] = Field(default_factory=dict)
-    latency_median_s: float = Field(0.0, ge=0)
-    latency_sigma: float = Field(1.0, ge=0)
-    inflight_groups: int | None = Field(None, ge=1)  # see ProducerSettings.max_inflight_groups
-    ack_wait_s: float = Field(30.0, gt=0)  # how soon generations held by a dead producer are rescored
-
-    @field_validator("name", "tenant")
-    @classmethod
-    def _token(cls, v: str) -> str:
-        return check_token(v, "env/tenant name")
-
-
-class BusSection(_Section):
-    max_gib: float = Field(8.0, gt=0)  # the run's log
-    payload_max_gib: float = Field(32.0, gt=0)  # the run's payload bucket
-    # Where weights travel: the run's object store (any machine), or files in the run directory
-    # (every process on one filesystem; far faster for weights of tens of MB and more).
-    weights_store: Literal["objstore", "file"] = "objstore"
-
-    def limits(self) -> StreamLimits:
-        return StreamLimits(
-            max_bytes=int(self.max_gib * GiB), payload_max_bytes=int(self.payload_max_gib * GiB)
-        )
-
-
-class StoreSection(_Section):
-    db: str | None = None  # SQLAlchemy URL; default: SQLite file <run dir>/store.db
-    recorder: bool = True
-
-
-class RunConfig(_Section):
-    run: RunSection = RunSection()
-    model: ModelSection = ModelSection()
-    trainer: TrainerSection = TrainerSection()
-    inference: InferenceSection = InferenceSection()
-    envs: list[EnvSection] = Field(default_factory=lambda: [EnvSection()])
-    bus: BusSection = BusSection()
-    store: StoreSection = StoreSection()
-
-    # ------------------------------------------------------------ per-process settings
+    run: RunSettings = RunSettings()
+    model: ModelSettings = ModelSettings()
+    trainer: TrainerSettings = TrainerSettings()
+    inference: InferenceSettings = InferenceSettings()
+    envs: list[EnvSettings] = Field(default_factory=lambda: [EnvSettings()])
+    bus: BusSettings = BusSettings()
+    store: StoreSettings = StoreSettings()
 
     @model_validator(mode="after")
     def _one_temperature(self) -> RunConfig:
         # The trainer takes logprobs at the sampling temperature, so all envs must share it.
+        if not self.envs:
+            raise ValueError("at least one [[envs]] entry is needed")
         temps = {e.temperature for e in self.envs}
         if len(temps) > 1:
             raise ValueError(f"all envs must sample at one temperature, got {sorted(temps)}")
-        if not self.envs:
-            raise ValueError("at least one [[envs]] entry is needed")
         return self
 
-    def trainer_settings(self) -> TrainerSettings:
-        return TrainerSettings(
-            model=self.model.name,
-            model_overrides=self.model.overrides,
+    # ------------------------------------------------------------ what each process is handed
+
+    def weights_dir(self, run_dir: Path) -> str | None:
+        """Where weights travel when ``[bus] weights_store = "file"``: files in the run directory."""
+        return str((run_dir / "payloads").resolve()) if self.bus.weights_store == "file" else None
+
+    def trainer_part(self, run_dir: Path) -> TrainerPart:
+        t = self.envs[0].temperature
+        return TrainerPart(
+            trainer=self.trainer,
+            model=self.model,
             seed=self.run.seed,
-            temperature=self.envs[0].temperature if self.envs[0].temperature > 0 else 1.0,
-            **self.trainer.model_dump(),
+            temperature=t if t > 0 else 1.0,
+            weights_dir=self.weights_dir(run_dir),
         )
 
-    def inference_settings(self) -> InferenceSettings:
-        return InferenceSettings(
-            model=self.model.name,
-            model_overrides=self.model.overrides,
+    def inference_part(self, run_dir: Path) -> InferencePart:
+        return InferencePart(
+            inference=self.inference,
+            model=self.model,
             seed=self.run.seed,
-            **self.inference.model_dump(exclude={"workers"}),
+            weights_dir=self.weights_dir(run_dir),
         )
 
-    def producer_settings(self) -> list[ProducerSettings]:
+    def producer_parts(self) -> list[ProducerPart]:
         total = sum(e.share for e in self.envs)
-        out = []
-        for k, e in enumerate(self.envs):
-            groups = max(1, round(self.trainer.batch_groups * e.share / total))
-            out.append(
-                ProducerSettings(
-                    env=e.name,
-                    kind=e.kind,
-                    env_params=e.params,
-                    tenant=e.tenant,
-                    group_size=e.group_size,
-                    groups_per_step=groups,
-                    max_off_policy_steps=self.trainer.max_off_policy_steps,
-                    temperature=e.temperature,
-                    seed=self.run.seed + 1000 * k,
-                    latency_median_s=e.latency_median_s,
-                    latency_sigma=e.latency_sigma,
-                    max_inflight_groups=e.inflight_groups,
-                    ack_wait_s=e.ack_wait_s,
-                )
+        return [
+            ProducerPart(
+                env=e,
+                model=self.model,
+                groups_per_step=max(1, round(self.trainer.batch_groups * e.share / total)),
+                max_off_policy_steps=self.trainer.max_off_policy_steps,
+                seed=self.run.seed + 1000 * k,
             )
-        return out
+            for k, e in enumerate(self.envs)
+        ]
 
 
 class ConfigError(ValueError):
@@ -216,12 +143,12 @@ def config_for_run(data: dict[str, Any], overrides: list[str] | None = None) -> 
     (Reading a recorded config, e.g. for replay, needs only ``RunConfig.model_validate``.)"""
     if overrides:
         if "envs" not in data and any(o.startswith("--envs.") for o in overrides):
-            data["envs"] = [EnvSection().model_dump()]
+            data["envs"] = [EnvSettings().model_dump()]
         apply_overrides(data, overrides)
     try:
         cfg = RunConfig.model_validate(data)
         for e in cfg.envs:
-            make_environment(e.kind or e.name, **e.params).prepare()
+            make_environment(e.env_kind, **e.params).prepare()
     except Exception as exc:
         raise ConfigError(f"invalid run config: {exc}") from None
     return cfg

@@ -54,16 +54,16 @@ async def replay(
         if not log.steps:
             say(f"replay: run {run_id} has no completed steps")
             return 2
-        settings = RunConfig.model_validate(log.config).trainer_settings()
+        part = RunConfig.model_validate(log.config).trainer_part(run_dir)
         last = log.last_step if to_step is None else min(to_step, log.last_step)
-        core = TrainCore(settings)
+        core = TrainCore(part)
         objstore = await ObjectStorePayloads.for_run(bus.js, run_id)
         payloads = Payloads(objstore, *weight_stores(run_dir / "payloads", objstore.bucket))
         replayer = Replayer(core, payloads, log)
         await replayer.start_at(from_step, run_dir / "trainer" if from_step else None)
         needed = {rid for s in range(from_step, last + 1) for rid in log.steps[s][0].rollout_ids}
         rollouts, _ = await read_rollouts(bus, run_id, needed)
-        say(f"replaying run {run_id}: steps {from_step}..{last} ({len(needed)} rollouts), {settings.model}")
+        say(f"replaying run {run_id}: steps {from_step}..{last} ({len(needed)} rollouts), {part.model.name}")
         t0 = time.perf_counter()
         shown = [time.monotonic()]
 
@@ -80,7 +80,7 @@ async def replay(
             c = bad[0]
             say(f"DIVERGED at step {c.step}: weights checksum {c.got} but the log recorded {c.expected}")
             say("what differs between the recorded run and this replay:")
-            for hint in divergence_hints(log, settings, library_versions()):
+            for hint in divergence_hints(log, part.trainer, library_versions()):
                 say(f"  - {hint}")
             return 1
         unverified = sum(1 for c in checks if c.expected is None)

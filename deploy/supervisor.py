@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
 from jetrl import __version__
 from jetrl.bus import events as ev
 from jetrl.bus import subjects
@@ -86,7 +88,7 @@ class Supervisor:
 
     # ------------------------------------------------------------------ processes
 
-    def _settings_file(self, name: str, settings: Any) -> str:
+    def _settings_file(self, name: str, settings: BaseModel) -> str:
         path = self.run_dir / "settings" / f"{name}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(settings.model_dump_json(indent=2))
@@ -98,16 +100,12 @@ class Supervisor:
 
         parts = [
             Part(
-                f"env-{ps.tenant}-{ps.env}-{k}",
-                argv("jetrl.producers", "--settings", self._settings_file(f"env-{k}", ps)),
+                f"env-{pp.env.tenant}-{pp.env.name}-{k}",
+                argv("jetrl.producers", "--settings", self._settings_file(f"env-{k}", pp)),
             )
-            for k, ps in enumerate(self.cfg.producer_settings())
+            for k, pp in enumerate(self.cfg.producer_parts())
         ]
-        weights_dir = (
-            str((self.run_dir / "payloads").resolve()) if self.cfg.bus.weights_store == "file" else None
-        )
-        inf_settings = self.cfg.inference_settings().model_copy(update={"weights_dir": weights_dir})
-        inf = self._settings_file("inference", inf_settings)
+        inf = self._settings_file("inference", self.cfg.inference_part(self.run_dir))
         parts += [
             Part(
                 f"inference-{i}",
@@ -116,14 +114,13 @@ class Supervisor:
             )
             for i in range(self.cfg.inference.workers)
         ]
-        trainer_settings = self.cfg.trainer_settings().model_copy(update={"weights_dir": weights_dir})
         parts.append(
             Part(
                 "trainer",
                 argv(
                     "jetrl.consumers.trainer",
                     *("--run-dir", str(self.run_dir)),
-                    *("--settings", self._settings_file("trainer", trainer_settings)),
+                    *("--settings", self._settings_file("trainer", self.cfg.trainer_part(self.run_dir))),
                 ),
                 threads=self.cfg.trainer.threads,
             )

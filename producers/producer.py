@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 import structlog
-from pydantic import BaseModel, Field
 
 from jetrl.bus import events as ev
 from jetrl.bus import subjects
@@ -32,28 +31,7 @@ from jetrl.bus.log import get_logger
 from jetrl.bus.payloads import ObjectStorePayloads, Payloads
 from jetrl.policy.tokenizer import CharTokenizer
 from jetrl.producers.environments import Environment, FollowUp, Score, make_environment
-
-
-class ProducerSettings(BaseModel):
-    env: str = "modsum"  # the environment's name in subjects and ids
-    kind: str | None = None  # which environment (make_environment); default: env
-    env_params: dict[str, Any] = Field(default_factory=dict)
-    tenant: str = "default"
-    group_size: int = 16
-    groups_per_step: int = 8  # this environment's share of a trainer batch
-    max_off_policy_steps: int = 1
-    temperature: float = 1.0
-    seed: int = 0
-    latency_median_s: float = 0.0  # simulated environment latency per rollout (0 = none)
-    latency_sigma: float = 1.0  # lognormal shape: sigma 1.3 puts ~1% of episodes past 20x the median
-    max_concurrent_scoring: int = 512
-    # Groups in flight (submitted, not yet trained or withheld). Default: one batch share per
-    # step of allowed staleness, (1 + max_off_policy_steps) * groups_per_step. Slow, long-tailed
-    # environments need more in flight to keep the trainer busy (Little's law); the trainer
-    # still withholds whatever ends up staler than the bound.
-    max_inflight_groups: int | None = None
-    ack_wait_s: float = 30.0  # how soon generations held by a dead producer are scored again
-
+from jetrl.producers.settings import ProducerPart
 
 EPISODE_KEY = "_episode"  # task info key carrying a multi-turn episode's state
 
@@ -63,16 +41,13 @@ def group_of(rollout_id: str) -> str:
 
 
 class EnvProducer:
-    def __init__(self, bus: Bus, run_id: str, settings: ProducerSettings) -> None:
+    def __init__(self, bus: Bus, run_id: str, part: ProducerPart) -> None:
         self.bus = bus
         self.run_id = run_id
-        self.s = settings
-        subjects.check_token(settings.tenant, "tenant")
-        subjects.check_token(settings.env, "env")
-        self.env: Environment = make_environment(
-            settings.kind or settings.env, CharTokenizer(), **settings.env_params
-        )
-        self.prefix = f"{settings.env}.{settings.tenant}."
+        self.part = part
+        self.s = settings = part.env
+        self.env: Environment = make_environment(settings.env_kind, CharTokenizer(), **settings.params)
+        self.prefix = f"{settings.name}.{settings.tenant}."
         self.tasks: dict[str, dict[str, Any]] = {}  # task_id -> info (for scoring)
         self.submitted = 0
         self.resolved: set[str] = set()  # group ids trained or withheld
@@ -80,14 +55,14 @@ class EnvProducer:
         self.changed = asyncio.Event()
         self.payloads: Payloads | None = None
         self.scored = 0
-        self.latency_rng = random.Random(settings.seed + 17)
-        self.log = get_logger(__name__, run_id=run_id, tenant=settings.tenant, env=settings.env)
+        self.latency_rng = random.Random(part.seed + 17)
+        self.log = get_logger(__name__, run_id=run_id, tenant=settings.tenant, env=settings.name)
 
     @property
     def window(self) -> int:
-        if self.s.max_inflight_groups is not None:
-            return self.s.max_inflight_groups
-        return self.s.groups_per_step * (1 + self.s.max_off_policy_steps)
+        if self.s.inflight_groups is not None:
+            return self.s.inflight_groups
+        return self.part.groups_per_step * (1 + self.part.max_off_policy_steps)
 
     @property
     def outstanding(self) -> int:
@@ -97,7 +72,7 @@ class EnvProducer:
 
     async def catch_up(self) -> None:
         """Tasks this producer submitted before a restart (their answers are needed to score)."""
-        subj = subjects.task_subject(self.run_id, self.s.tenant, self.s.env)
+        subj = subjects.task_subject(self.run_id, self.s.tenant, self.s.name)
         async for item in self.bus.tail(self.run_id, filter_subject=subj, to_head=True):
             b = item.event.body if item.event else None
             if isinstance(b, ev.TaskSubmitted):
@@ -117,7 +92,7 @@ class EnvProducer:
                 self.changed.set()
 
     async def watch_withheld(self) -> None:
-        subj = subjects.rollout_subject(self.run_id, self.s.tenant, self.s.env)
+        subj = subjects.rollout_subject(self.run_id, self.s.tenant, self.s.name)
         async for item in self.bus.tail(self.run_id, filter_subject=subj):
             b = item.event.body if item.event else None
             if isinstance(b, ev.RolloutWithheld) and b.group_id.startswith(self.prefix):
@@ -127,7 +102,7 @@ class EnvProducer:
     # ---------------------------------------------------------------- tasks out
 
     async def submit_loop(self, stop: asyncio.Event) -> None:
-        rng = random.Random(self.s.seed * 7919 + self.submitted)
+        rng = random.Random(self.part.seed * 7919 + self.submitted)
         while not stop.is_set():
             while self.outstanding < self.window and not stop.is_set():
                 task = self.env.make_task(rng)
@@ -150,7 +125,7 @@ class EnvProducer:
         the answers."""
         body = ev.TaskSubmitted(
             task_id=task_id,
-            env=self.s.env,
+            env=self.s.name,
             min_policy_version=self.trainer_version,
             temperature=self.s.temperature,
             **fields,
@@ -312,8 +287,8 @@ class EnvProducer:
         consumer = await self.bus.consumer(
             ConsumerSpec(
                 run_id=self.run_id,
-                durable=f"scorer-{self.s.tenant}-{self.s.env}",
-                filter_subjects=[subjects.generation_subject(self.run_id, self.s.tenant, self.s.env)],
+                durable=f"scorer-{self.s.tenant}-{self.s.name}",
+                filter_subjects=[subjects.generation_subject(self.run_id, self.s.tenant, self.s.name)],
                 ack_wait=self.s.ack_wait_s,
                 max_deliver=5,
                 max_ack_pending=100_000,
@@ -330,7 +305,7 @@ class EnvProducer:
     async def run(self, stop: asyncio.Event) -> None:
         self.payloads = Payloads(await ObjectStorePayloads.for_run(self.bus.js, self.run_id))
         structlog.contextvars.bind_contextvars(
-            run_id=self.run_id, tenant=self.s.tenant, worker_id=f"env-{self.s.env}"
+            run_id=self.run_id, tenant=self.s.tenant, worker_id=f"env-{self.s.name}"
         )
         await self.catch_up()
         await asyncio.to_thread(self.env.prepare)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,15 +14,15 @@ from jetrl.deploy.run_cmd import split_overrides
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_demo_config_loads_and_derives_settings() -> None:
+def test_demo_config_loads_and_derives_settings(tmp_path: Path) -> None:
     cfg = load_config(ROOT / "configs" / "demo.toml")
-    t = cfg.trainer_settings()
-    assert t.model == cfg.model.name and t.seed == cfg.run.seed
-    assert t.max_off_policy_steps == cfg.trainer.max_off_policy_steps
-    (p,) = cfg.producer_settings()
+    t = cfg.trainer_part(tmp_path)
+    assert t.model.name == cfg.model.name and t.seed == cfg.run.seed
+    assert t.trainer.max_off_policy_steps == cfg.trainer.max_off_policy_steps
+    (p,) = cfg.producer_parts()
     assert p.groups_per_step == cfg.trainer.batch_groups
     assert p.max_off_policy_steps == cfg.trainer.max_off_policy_steps
-    assert cfg.inference_settings().precision == "bf16"
+    assert cfg.inference_part(tmp_path).inference.precision == "bf16"
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.toml")), ids=lambda p: p.name)
@@ -72,7 +74,7 @@ def test_bad_configs_get_clear_errors(tmp_path: Path) -> None:
 def test_env_shares_split_the_batch() -> None:
     cfg = load_config(None, ["--trainer.batch_groups", "8"])
     cfg.envs.append(cfg.envs[0].model_copy(update={"name": "sort", "share": 3.0}))
-    groups = [p.groups_per_step for p in cfg.producer_settings()]
+    groups = [p.groups_per_step for p in cfg.producer_parts()]
     assert groups == [2, 6]
 
 
@@ -82,3 +84,20 @@ def test_cli_splits_overrides_from_flags() -> None:
     )
     assert own == ["run", "c.toml", "--run-id", "x"]
     assert over == ["--trainer.lr", "0.1", "--envs.0.name=sort"]
+
+
+def test_loading_any_shipped_config_imports_no_torch() -> None:
+    # Settings live in torch-free modules: reading and validating a config (as `jetrl run` does
+    # before any process starts, and `jetrl replay` does with a recorded one) needs no torch.
+    code = (
+        "import sys, pathlib\n"
+        "from jetrl.deploy.config import RunConfig, load_config\n"
+        f"for p in sorted(pathlib.Path({str(ROOT / 'configs')!r}).glob('*.toml')):\n"
+        "    cfg = load_config(p)\n"
+        "    RunConfig.model_validate(cfg.model_dump(mode='json'))\n"
+        "    cfg.trainer_part(pathlib.Path('x')), cfg.inference_part(pathlib.Path('x'))\n"
+        "    cfg.producer_parts()\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'torchtitan')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout[-2000:]

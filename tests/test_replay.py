@@ -70,9 +70,10 @@ async def test_replay_verifies_every_step_and_names_a_divergence(
     # A replay under another learning rate diverges at the first step, and says why.
     bus = await Bus.connect(nats_server.url)
     log = await read_run_log(bus, run_id)
-    settings = RunConfig.model_validate(log.config).trainer_settings()
-    changed = settings.model_copy(update={"lr": settings.lr * 2})
-    replayer = Replayer(TrainCore(changed), Payloads(await ObjectStorePayloads.for_run(bus.js, run_id)), log)
+    part = RunConfig.model_validate(log.config).trainer_part(run_dir)
+    changed = part.trainer.model_copy(update={"lr": part.trainer.lr * 2})
+    core = TrainCore(part.model_copy(update={"trainer": changed}))
+    replayer = Replayer(core, Payloads(await ObjectStorePayloads.for_run(bus.js, run_id)), log)
     await replayer.start_at(0)
     rollouts, _ = await read_rollouts(bus, run_id, set(log.steps[0][0].rollout_ids))
     checks = await replayer.run(rollouts, to_step=0)

@@ -262,4 +262,4 @@ def test_a_config_naming_an_unusable_taskset_is_refused() -> None:
             ],
         )
     cfg = load_config(None, ["--envs.0.name", "vf", "--envs.0.kind", "verifiers"])
-    assert cfg.producer_settings()[0].kind == "verifiers" and cfg.producer_settings()[0].env == "vf"
+    assert cfg.producer_parts()[0].env.kind == "verifiers" and cfg.producer_parts()[0].env.name == "vf"

@@ -5,14 +5,15 @@ from __future__ import annotations
 import sys
 
 from jetrl.bus.runtime import part_main
-from jetrl.consumers.inference.worker import InferenceSettings, InferenceWorker
+from jetrl.consumers.inference.settings import InferencePart
+from jetrl.consumers.inference.worker import InferenceWorker
 
 
 def main(argv: list[str] | None = None) -> int:
     return part_main(
         argv,
         prog="jetrl-inference",
-        settings_model=InferenceSettings,
+        settings_model=InferencePart,
         client_name=lambda args, s: f"inference-{args.worker_id}",
         body=lambda bus, args, s, stop: InferenceWorker(bus, args.run, args.worker_id, s).run(stop),
         options=lambda ap: ap.add_argument("--worker-id", required=True),

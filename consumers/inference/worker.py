@@ -22,48 +22,34 @@ from typing import Any
 import numpy as np
 import structlog
 import torch
-from pydantic import BaseModel, Field
 
 from jetrl.bus import events as ev
 from jetrl.bus import subjects
 from jetrl.bus.client import Bus, ConsumerSpec, Delivery, keep_alive
 from jetrl.bus.log import get_logger
 from jetrl.bus.payloads import ObjectStorePayloads, Payloads, weight_stores
+from jetrl.consumers.inference.settings import InferencePart
 from jetrl.policy.models import build_model, get_config
 from jetrl.policy.sampling import SamplingConfig, generate, inference_copy
 from jetrl.policy.tokenizer import CharTokenizer
 from jetrl.policy.weights import load_into, weights_from_bytes
 
 
-class InferenceSettings(BaseModel):
-    model: str = "tiny-moe"
-    model_overrides: dict[str, Any] = Field(default_factory=dict)
-    precision: str = "bf16"  # independent of the trainer's
-    max_batch_tasks: int = 8  # tasks generated together (each is a whole group)
-    top_p: float = 1.0
-    seed: int = 0
-    threads: int = 1
-    heartbeat_s: float = 2.0
-    ack_wait_s: float = 30.0  # how soon tasks held by a dead worker go to another
-    weights_dir: str | None = None  # where the trainer writes weights, when not the object store
-
-
 class InferenceWorker:
-    def __init__(self, bus: Bus, run_id: str, worker_id: str, settings: InferenceSettings) -> None:
+    def __init__(self, bus: Bus, run_id: str, worker_id: str, part: InferencePart) -> None:
         self.bus = bus
         self.run_id = run_id
         self.worker_id = worker_id
-        self.s = settings
+        self.part = part
+        self.s = settings = part.inference
         self.tok = CharTokenizer()
-        mcfg = get_config(settings.model, **settings.model_overrides)
+        mcfg = get_config(part.model.name, **part.model.overrides)
         # Weights come from WeightsReady events; the seed here only shapes the module.
         self.model = inference_copy(build_model(mcfg, seed=0), settings.precision)  # type: ignore[arg-type]
         self.loaded_version: int | None = None
         self.latest: ev.WeightsReady | None = None
         self.new_weights = asyncio.Event()
-        seed = (
-            settings.seed * 1_000_003 + (uuid.uuid5(uuid.NAMESPACE_URL, worker_id).int % 1_000_003)
-        ) % 2**63
+        seed = (part.seed * 1_000_003 + (uuid.uuid5(uuid.NAMESPACE_URL, worker_id).int % 1_000_003)) % 2**63
         self.generator = torch.Generator().manual_seed(seed)
         self.payloads: Payloads | None = None
         self.busy = False
@@ -237,7 +223,7 @@ class InferenceWorker:
     async def run(self, stop: asyncio.Event) -> None:
         torch.set_num_threads(self.s.threads)
         objstore = await ObjectStorePayloads.for_run(self.bus.js, self.run_id)
-        self.payloads = Payloads(objstore, *weight_stores(self.s.weights_dir, objstore.bucket))
+        self.payloads = Payloads(objstore, *weight_stores(self.part.weights_dir, objstore.bucket))
         consumer = await self.bus.consumer(
             ConsumerSpec(
                 run_id=self.run_id,

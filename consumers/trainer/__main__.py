@@ -6,14 +6,15 @@ import sys
 from pathlib import Path
 
 from jetrl.bus.runtime import part_main
-from jetrl.consumers.trainer.trainer import Trainer, TrainerSettings
+from jetrl.consumers.trainer.settings import TrainerPart
+from jetrl.consumers.trainer.trainer import Trainer
 
 
 def main(argv: list[str] | None = None) -> int:
     return part_main(
         argv,
         prog="jetrl-trainer",
-        settings_model=TrainerSettings,
+        settings_model=TrainerPart,
         client_name=lambda args, s: "trainer",
         body=lambda bus, args, s, stop: Trainer(bus, args.run, s, args.run_dir).run(stop),
         options=lambda ap: ap.add_argument("--run-dir", required=True, type=Path),

@@ -12,12 +12,12 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from jetrl.bus import events as ev
 from jetrl.bus.payloads import Payloads
+from jetrl.consumers.trainer.settings import TrainerPart
 from jetrl.policy.loss import LossConfig, group_advantages
 from jetrl.policy.models import build_model, get_config
 from jetrl.policy.train import Rollout, collate, make_optimizer, set_deterministic, train_step
@@ -35,13 +35,14 @@ class Checkpoint:
 
 
 class TrainCore:
-    def __init__(self, settings: Any) -> None:
-        self.s = settings
-        set_deterministic(settings.seed, num_threads=settings.threads)
-        self.mcfg = get_config(settings.model, **settings.model_overrides)
-        self.model = build_model(self.mcfg, seed=settings.seed)
-        self.optimizer = make_optimizer(self.model, lr=settings.lr, weight_decay=settings.weight_decay)
-        self.loss_cfg = LossConfig(kl_coef=settings.kl_coef, entropy_coef=settings.entropy_coef)
+    def __init__(self, part: TrainerPart) -> None:
+        self.part = part
+        self.s = s = part.trainer
+        set_deterministic(part.seed, num_threads=s.threads)
+        self.mcfg = get_config(part.model.name, **part.model.overrides)
+        self.model = build_model(self.mcfg, seed=part.seed)
+        self.optimizer = make_optimizer(self.model, lr=s.lr, weight_decay=s.weight_decay)
+        self.loss_cfg = LossConfig(kl_coef=s.kl_coef, entropy_coef=s.entropy_coef)
 
     # ------------------------------------------------------------------ one step
 
@@ -81,7 +82,7 @@ class TrainCore:
             self.loss_cfg,
             replay=self.s.replay and self.mcfg.is_moe,
             max_grad_norm=self.s.max_grad_norm,
-            temperature=self.s.temperature,
+            temperature=self.part.temperature,
         )
 
     def checksum(self) -> str:

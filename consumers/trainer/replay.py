@@ -19,6 +19,7 @@ from jetrl.bus import subjects
 from jetrl.bus.client import Bus
 from jetrl.bus.payloads import Payloads
 from jetrl.consumers.trainer.core import Checkpoint, TrainCore, checkpoint_path
+from jetrl.consumers.trainer.settings import TrainerSettings
 from jetrl.policy.weights import load_into, weights_from_bytes
 
 
@@ -162,7 +163,7 @@ class Replayer:
         return checks
 
 
-def divergence_hints(log: RunLog, settings: Any, current_versions: dict[str, str]) -> list[str]:
+def divergence_hints(log: RunLog, settings: TrainerSettings, current_versions: dict[str, str]) -> list[str]:
     """Why a replay may diverge: what differs between the recorded run and this process."""
     hints = []
     for pkg, v in sorted(log.library_versions.items()):

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-from pydantic import BaseModel, Field
 
 from jetrl.bus import events as ev
 from jetrl.bus import subjects
@@ -37,32 +36,8 @@ from jetrl.bus.log import get_logger
 from jetrl.bus.payloads import ObjectStorePayloads, Payloads, PayloadStore, weight_stores
 from jetrl.consumers.trainer.core import TrainCore, checkpoint_version, list_checkpoints
 from jetrl.consumers.trainer.replay import Replayer, ReplayError, read_rollouts, read_run_log
+from jetrl.consumers.trainer.settings import TrainerPart
 from jetrl.policy.weights import weights_to_bytes
-
-
-class TrainerSettings(BaseModel):
-    model: str = "tiny-moe"
-    model_overrides: dict[str, Any] = Field(default_factory=dict)
-    seed: int = 0
-    lr: float = 5e-4
-    weight_decay: float = 0.0
-    batch_groups: int = 8
-    max_off_policy_steps: int = 1
-    max_steps: int = 1000
-    stop_at_reward: float | None = None  # stop once the mean reward over `reward_window` steps reaches it
-    reward_window: int = 10
-    replay: bool = True
-    kl_coef: float = 1e-3
-    entropy_coef: float = 0.0
-    temperature: float = 1.0  # the sampling temperature: trainer logprobs are taken under it
-    std_scale_advantages: bool = False
-    max_grad_norm: float = 1.0
-    checkpoint_every: int = 10
-    threads: int = 1
-    ack_wait_s: float = 30.0  # buffered rollouts are kept alive with in-progress acks
-    # Weights go to this shared directory (a FilePayloads store) instead of the run's object
-    # store: much faster for models past a few MB when every process sees the same filesystem.
-    weights_dir: str | None = None
 
 
 @dataclass
@@ -83,12 +58,13 @@ class Group:
 
 
 class Trainer:
-    def __init__(self, bus: Bus, run_id: str, settings: TrainerSettings, run_dir: Path) -> None:
+    def __init__(self, bus: Bus, run_id: str, part: TrainerPart, run_dir: Path) -> None:
         self.bus = bus
         self.run_id = run_id
-        self.s = settings
+        self.part = part
+        self.s = settings = part.trainer
         self.ckpt_dir = run_dir / "trainer"
-        self.core = TrainCore(settings)
+        self.core = TrainCore(part)
         self.version = 0
         self.trained: set[str] = set()
         self.withheld_ids: set[str] = set()
@@ -128,7 +104,7 @@ class Trainer:
             except (ReplayError, ValueError, RuntimeError) as exc:
                 self.log.warning("checkpoint_unusable", checkpoint=path.name, error=str(exc))
         if start is None:
-            self.core = TrainCore(self.s)  # a refused checkpoint may have been half loaded
+            self.core = TrainCore(self.part)  # a refused checkpoint may have been half loaded
             replayer = Replayer(self.core, self.payloads, log)
             await replayer.start_at(0)
         needed = {
@@ -348,8 +324,8 @@ class Trainer:
 
     async def run(self, stop: asyncio.Event) -> int:
         objstore = await ObjectStorePayloads.for_run(self.bus.js, self.run_id)
-        self.payloads = Payloads(objstore, *weight_stores(self.s.weights_dir, objstore.bucket))
-        self.weights_store = self.payloads.stores["file"] if self.s.weights_dir else objstore
+        self.payloads = Payloads(objstore, *weight_stores(self.part.weights_dir, objstore.bucket))
+        self.weights_store = self.payloads.stores["file"] if self.part.weights_dir else objstore
         structlog.contextvars.bind_contextvars(run_id=self.run_id, worker_id="trainer")
         await self.recover()
         consumer = await self.bus.consumer(

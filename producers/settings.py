@@ -1,0 +1,51 @@
+"""The environment producers' settings: one ``[[envs]]`` entry as written in a run config, and
+what one producer process is handed (that entry, the model's tokenizer, its share of a trainer
+batch). Torch-free."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, field_validator
+
+from jetrl.bus.settings import Section
+from jetrl.bus.subjects import check_token
+from jetrl.policy.settings import ModelSettings
+
+
+class EnvSettings(Section):
+    name: str = "modsum"  # the environment's name in subjects, ids and the store
+    kind: str | None = None  # which environment: a built-in or "verifiers"; default: name
+    tenant: str = "default"
+    group_size: int = Field(16, ge=2)
+    share: float = Field(1.0, gt=0)  # relative share of each trainer batch
+    temperature: float = Field(1.0, ge=0)
+    params: dict[str, Any] = Field(default_factory=dict)
+    latency_median_s: float = Field(0.0, ge=0)  # simulated environment latency per rollout (0 = none)
+    latency_sigma: float = Field(1.0, ge=0)  # lognormal shape: 1.3 puts ~1% of episodes past 20x the median
+    max_concurrent_scoring: int = Field(512, ge=1)
+    # Groups in flight (submitted, not yet trained or withheld). Default: one batch share per
+    # step of allowed staleness, (1 + max_off_policy_steps) * groups_per_step. Slow, long-tailed
+    # environments need more in flight to keep the trainer busy (Little's law); the trainer
+    # still withholds whatever ends up staler than the bound.
+    inflight_groups: int | None = Field(None, ge=1)
+    ack_wait_s: float = Field(30.0, gt=0)  # how soon generations held by a dead producer are rescored
+
+    @field_validator("name", "tenant")
+    @classmethod
+    def _token(cls, v: str) -> str:
+        return check_token(v, "env/tenant name")
+
+    @property
+    def env_kind(self) -> str:
+        return self.kind or self.name
+
+
+class ProducerPart(Section):
+    """One producer process's input (``python -m jetrl.producers --settings``)."""
+
+    env: EnvSettings = EnvSettings()
+    model: ModelSettings = ModelSettings()
+    groups_per_step: int = Field(8, ge=1)  # this environment's share of a trainer batch
+    max_off_policy_steps: int = Field(1, ge=0)
+    seed: int = 0
