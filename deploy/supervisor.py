@@ -2,11 +2,11 @@
 
 It starts the embedded nats-server (unless given a URL), creates the run's stream, records
 RunStarted, and launches every part as its own process: one producer per environment, N
-inference workers, the trainer and the recorder. It restarts a part that crashes, shows live
-progress from the log's StepCompleted events, and when the trainer finishes (or on Ctrl-C)
-stops the others cleanly, lets the recorder catch up, records RunFinished, and leaves a summary
-and a reward curve in the run directory. The parts never talk to the supervisor: it only reads
-the log and watches processes.
+inference workers, the trainer and the recorder. It restarts a part that crashes, feeds the
+log's StepCompleted events to a `RunReport` (deploy/report.py) for live progress, and when the
+trainer finishes (or on Ctrl-C) stops the others cleanly, lets the recorder catch up, records
+RunFinished, and leaves the report's summary and reward curve in the run directory. The parts
+never talk to the supervisor: it only reads the log and watches processes.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from jetrl.bus.client import Bus
 from jetrl.bus.log import get_logger
 from jetrl.bus.server import EmbeddedServer
 from jetrl.deploy.config import RunConfig, library_versions
+from jetrl.deploy.report import RunReport
 from jetrl.store import queries
 from jetrl.store.db import open_store
 
@@ -58,9 +59,16 @@ class Part:
 
 @dataclass
 class Progress:
-    steps: list[dict[str, float]] = field(default_factory=list)
+    """The live tail of the step subject: the report it feeds, the clock step times count from,
+    and when it last printed."""
+
+    report: RunReport = field(default_factory=RunReport)
     started: float = field(default_factory=time.monotonic)
     last_print: float = 0.0
+
+    @property
+    def steps(self) -> list[dict[str, float]]:
+        return self.report.steps
 
 
 class Supervisor:
@@ -209,28 +217,11 @@ class Supervisor:
             b = item.event.body if item.event else None
             if not isinstance(b, ev.StepCompleted):
                 continue
-            m = dict(b.metrics, step=b.step, tokens=b.tokens, t=time.monotonic() - self.progress.started)
-            self.progress.steps.append(m)
+            self.progress.report.add(b, time.monotonic() - self.progress.started)
             now = time.monotonic()
             if now - self.progress.last_print >= 2.0 or b.step == self.cfg.trainer.max_steps - 1:
                 self.progress.last_print = now
-                self.say(self.progress_line())
-
-    def progress_line(self) -> str:
-        steps = self.progress.steps
-        m = steps[-1]
-        recent = steps[-10:]
-        reward = sum(s.get("reward_mean", 0.0) for s in recent) / len(recent)
-        exact = sum(s.get("reward_exact", 0.0) for s in recent) / len(recent)
-        span = recent[-1]["t"] - recent[0]["t"] if len(recent) > 1 else 0.0
-        rate = (len(recent) - 1) / span * 60 if span > 0 else 0.0
-        toks = sum(s["tokens"] for s in recent[1:]) / span if span > 0 else 0.0
-        return (
-            f"step {int(m['step']):>4} | reward {reward:.3f} (exact {exact:.2f}) | staleness "
-            f"{m.get('staleness_mean', 0):.2f} | {rate:5.1f} steps/min | {toks:6.0f} tok/s | trainer idle "
-            f"{100 * m.get('trainer_idle_frac', 0):.0f}% | withheld {int(m.get('withheld_total', 0))} | "
-            f"{m['t']:.0f}s"
-        )
+                self.say(self.progress.report.line())
 
     # ------------------------------------------------------------------ the run
 
@@ -338,21 +329,11 @@ class Supervisor:
             store.close()
 
     def finish(self, status: str) -> None:
-        steps = self.progress.steps
-        summary: dict[str, Any] = {"run_id": self.run_id, "status": status, "steps": len(steps)}
-        if steps:
-            last = steps[-10:]
-            summary.update(
-                reward_first=round(steps[0].get("reward_mean", 0.0), 4),
-                reward_last10=round(sum(s.get("reward_mean", 0.0) for s in last) / len(last), 4),
-                exact_last10=round(sum(s.get("reward_exact", 0.0) for s in last) / len(last), 4),
-                wall_s=round(steps[-1]["t"], 1),
-                steps_per_min=round(len(steps) / steps[-1]["t"] * 60, 1) if steps[-1]["t"] > 0 else 0.0,
-                staleness_mean=round(sum(s.get("staleness_mean", 0.0) for s in steps) / len(steps), 3),
-                trainer_idle_frac=round(steps[-1].get("trainer_idle_frac", 0.0), 3),
-                withheld=int(steps[-1].get("withheld_total", 0)),
-                restarts={p.name: p.restarts for p in self.parts if p.restarts}
-                | ({"nats-server": self.server_restarts} if self.server_restarts else {}),
+        report = self.progress.report
+        summary: dict[str, Any] = {"run_id": self.run_id, "status": status, **report.summary()}
+        if report.steps:
+            summary["restarts"] = {p.name: p.restarts for p in self.parts if p.restarts} | (
+                {"nats-server": self.server_restarts} if self.server_restarts else {}
             )
         if self.cfg.store.recorder:
             store = open_store(self.db_url)
@@ -361,38 +342,9 @@ class Supervisor:
                 summary["db"] = self.db_url
             finally:
                 store.close()
-        if steps:
-            summary["reward_curve"] = str(plot_rewards(steps, self.run_dir / "reward.png", self.run_id))
+        if report.steps:
+            summary["reward_curve"] = str(report.plot(self.run_dir / "reward.png", self.run_id))
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         self.say("\nsummary")
         for k, v in summary.items():
             self.say(f"  {k:<18} {v}")
-
-
-def plot_rewards(steps: list[dict[str, float]], path: Path, title: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    x = [s["step"] for s in steps]
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
-    ax.plot(x, [s.get("reward_mean", 0.0) for s in steps], lw=0.8, alpha=0.5, label="mean reward (step)")
-    k = 10
-    smooth = [
-        sum(s.get("reward_mean", 0.0) for s in steps[max(0, i - k + 1) : i + 1]) / min(k, i + 1)
-        for i in range(len(steps))
-    ]
-    ax.plot(x, smooth, lw=2, label=f"mean reward ({k}-step average)")
-    if any("reward_exact" in s for s in steps):
-        ax.plot(x, [s.get("reward_exact", 0.0) for s in steps], lw=0.8, alpha=0.6, label="exact answers")
-    ax.set_xlabel("trainer step")
-    ax.set_ylabel("reward")
-    ax.set_ylim(0, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    ax.set_title(f"jetrl run {title}")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path

@@ -1,0 +1,121 @@
+"""A run's steps for people: the progress line, the end-of-run summary and the reward curve.
+
+A `RunReport` is fed StepCompleted bodies, each with its time in seconds since the run started,
+and knows nothing of processes or buses: the supervisor feeds it from its live tail of the step
+subject, and a finished run's log can feed it the same way (times from the events' `time`).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from jetrl.bus import events as ev
+
+# The trainer writes its own aggregates of the reward as `reward_mean` and `reward_max`, and the
+# mean of each environment reward part `<part>` as `reward_<part>`. StepCompleted carries no list
+# of parts, so the prefix is what marks one; the two aggregates are the only other keys with it (a
+# part named `mean` or `max` cannot exist: its key would clash with them in the trainer).
+PART_PREFIX = "reward_"
+TRAINER_REWARD_KEYS = frozenset({"reward_mean", "reward_max"})
+WINDOW = 10  # steps averaged in the progress line and the summary's `*_last10`
+
+
+def _mean(steps: list[dict[str, float]], key: str) -> float:
+    return sum(s.get(key, 0.0) for s in steps) / len(steps)
+
+
+class RunReport:
+    def __init__(self) -> None:
+        # One dict per step: its metrics plus `step`, `tokens` and `t` (seconds since the start).
+        self.steps: list[dict[str, float]] = []
+        # Part -> whether it differed from the step's mean reward at some step, in first-seen order.
+        self._differs: dict[str, bool] = {}
+
+    def add(self, step: ev.StepCompleted, t: float) -> None:
+        self.steps.append(dict(step.metrics, step=step.step, tokens=step.tokens, t=t))
+        reward = step.metrics.get("reward_mean", 0.0)
+        for key, value in step.metrics.items():
+            if key.startswith(PART_PREFIX) and key not in TRAINER_REWARD_KEYS:
+                part = key.removeprefix(PART_PREFIX)
+                differs = not math.isclose(value, reward, rel_tol=1e-9, abs_tol=1e-12)
+                self._differs[part] = self._differs.get(part, False) or differs
+
+    @property
+    def parts(self) -> list[str]:
+        """The reward parts worth showing beside the reward. A part equal to the mean reward at
+        every step is the reward itself (the demo's `positions`), so it would only repeat it."""
+        return [part for part, differs in self._differs.items() if differs]
+
+    def line(self) -> str:
+        if not self.steps:
+            return "no steps yet"
+        m = self.steps[-1]
+        recent = self.steps[-WINDOW:]
+        parts = ", ".join(f"{p} {_mean(recent, PART_PREFIX + p):.2f}" for p in self.parts)
+        span = recent[-1]["t"] - recent[0]["t"] if len(recent) > 1 else 0.0
+        rate = (len(recent) - 1) / span * 60 if span > 0 else 0.0
+        toks = sum(s["tokens"] for s in recent[1:]) / span if span > 0 else 0.0
+        return (
+            f"step {int(m['step']):>4} | reward {_mean(recent, 'reward_mean'):.3f}"
+            f"{f' ({parts})' if parts else ''} | staleness {m.get('staleness_mean', 0):.2f} | "
+            f"{rate:5.1f} steps/min | {toks:6.0f} tok/s | trainer idle "
+            f"{100 * m.get('trainer_idle_frac', 0):.0f}% | withheld {int(m.get('withheld_total', 0))} | "
+            f"{m['t']:.0f}s"
+        )
+
+    def summary(self) -> dict[str, Any]:
+        steps = self.steps
+        out: dict[str, Any] = {"steps": len(steps)}
+        if not steps:
+            return out
+        last = steps[-WINDOW:]
+        out["reward_first"] = round(steps[0].get("reward_mean", 0.0), 4)
+        out[f"reward_last{WINDOW}"] = round(_mean(last, "reward_mean"), 4)
+        for p in self.parts:
+            # A part named `reward` keeps its prefix rather than overwrite the mean reward's key.
+            name = p if p != "reward" else PART_PREFIX + p
+            out[f"{name}_last{WINDOW}"] = round(_mean(last, PART_PREFIX + p), 4)
+        wall = steps[-1]["t"]
+        out.update(
+            wall_s=round(wall, 1),
+            steps_per_min=round(len(steps) / wall * 60, 1) if wall > 0 else 0.0,
+            staleness_mean=round(_mean(steps, "staleness_mean"), 3),
+            trainer_idle_frac=round(steps[-1].get("trainer_idle_frac", 0.0), 3),
+            withheld=int(steps[-1].get("withheld_total", 0)),
+        )
+        return out
+
+    def plot(self, path: Path, title: str) -> Path:
+        """The reward per step, its running mean and the shown parts, as a PNG at `path`."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        steps = self.steps
+        x = [s["step"] for s in steps]
+        rewards = [s.get("reward_mean", 0.0) for s in steps]
+        smooth = [
+            sum(rewards[max(0, i - WINDOW + 1) : i + 1]) / min(WINDOW, i + 1) for i in range(len(rewards))
+        ]
+        fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+        ax.plot(x, rewards, lw=0.8, alpha=0.5, label="mean reward (step)")
+        ax.plot(x, smooth, lw=2, label=f"mean reward ({WINDOW}-step average)")
+        shown = [*rewards]
+        for p in self.parts:
+            values = [s.get(PART_PREFIX + p, 0.0) for s in steps]
+            shown += values
+            ax.plot(x, values, lw=0.8, alpha=0.6, label=f"reward part {p!r} (step)")
+        if all(0.0 <= v <= 1.0 for v in shown):  # a part need not be a share (a count, a length)
+            ax.set_ylim(0, 1.02)
+        ax.set_xlabel("trainer step")
+        ax.set_ylabel("reward")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+        ax.set_title(f"jetrl run {title}")
+        fig.tight_layout()
+        fig.savefig(path)
+        plt.close(fig)
+        return path
