@@ -10,6 +10,7 @@ from jetrl.bus import events as ev
 from jetrl.store import dump
 from jetrl.store.db import Store
 from jetrl.store.projection import LogItem, apply_batch, fold
+from jetrl.store.projectors import PROJECTORS
 from jetrl.store.synthetic import check_projection, log_items, synthetic_run
 
 
@@ -107,3 +108,7 @@ def test_non_finite_metrics_are_kept_readable(store: Store) -> None:
     with store.read() as conn:
         (row,) = dump.dump_run(conn, "nan")["steps"]
     assert '"loss":"nan"' in row[4]
+
+
+def test_every_event_type_has_a_projector() -> None:
+    assert set(PROJECTORS) == set(ev.CATALOG.values())
