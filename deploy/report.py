@@ -113,7 +113,7 @@ class RunReport:
         ax.set_xlabel("trainer step")
         ax.set_ylabel("reward")
         ax.grid(alpha=0.3)
-        ax.legend(loc="lower right")
+        ax.legend(loc="best")  # a short run's curve lies along the bottom
         ax.set_title(f"jetrl run {title}")
         fig.tight_layout()
         fig.savefig(path)
