@@ -15,7 +15,7 @@ same row (docs/store.md, "Exactness").
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,14 +38,6 @@ class ApplyResult:
 
 
 # ----------------------------------------------------------------------------- fold
-
-
-def _derive_staleness(row: dict[str, Any]) -> None:
-    ts, pv = row.get("trained_step"), row.get("policy_version_start")
-    row["staleness"] = ts - pv if ts is not None and pv is not None else row.get("withheld_staleness")
-
-
-_DERIVE: dict[str, Callable[[dict[str, Any]], None]] = {"staleness": _derive_staleness}
 
 
 def fold(items: Iterable[LogItem]) -> dict[str, list[dict[str, Any]]]:
@@ -80,7 +72,7 @@ def fold(items: Iterable[LogItem]) -> dict[str, list[dict[str, Any]]]:
             continue
         for d in spec.derived:
             for row in rows.values():
-                _DERIVE[d](row)
+                row[d.column] = d.expr.value(row)
         out[spec.table.name] = list(rows.values())
     return out
 
@@ -109,20 +101,15 @@ def _upsert_statement(dialect: str, spec: Spec) -> Any:
     if not spec.groups:
         return stmt.on_conflict_do_nothing(index_elements=list(spec.key))
     x = stmt.excluded
-    set_: dict[str, Any] = {}
-    effective: dict[str, Any] = {}
+    set_: dict[str, sa.ColumnElement[Any]] = {}
     for g in spec.groups:
         cond = _group_applies(t, x, g)
         for col in (*g.cols, g.seq_col):
-            expr = sa.case((cond, x[col]), else_=t.c[col])
-            set_[col] = expr
-            effective[col] = expr
-    if "staleness" in spec.derived:
-        ts, pv = effective["trained_step"], effective["policy_version_start"]
-        set_["staleness"] = sa.case(
-            (sa.and_(ts.is_not(None), pv.is_not(None)), ts - pv),
-            else_=effective["withheld_staleness"],
-        )
+            set_[col] = sa.case((cond, x[col]), else_=t.c[col])
+    # Derived columns read the row as it will be: each group as updated, the rest as stored.
+    after = {c.name: set_.get(c.name, c) for c in t.columns}
+    for d in spec.derived:
+        set_[d.column] = d.expr.sql(after)
     return stmt.on_conflict_do_update(index_elements=list(spec.key), set_=set_)
 
 

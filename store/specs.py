@@ -12,6 +12,7 @@ from typing import Literal
 import sqlalchemy as sa
 
 from jetrl.store import schema as sc
+from jetrl.store.derived import Coalesce, Col, Derived, Minus
 
 __all__ = [
     "DEAD_LETTERS",
@@ -20,6 +21,7 @@ __all__ = [
     "ROLLOUTS",
     "RUNS",
     "SPECS",
+    "STALENESS",
     "STEPS",
     "STEP_ROLLOUTS",
     "TASKS",
@@ -44,7 +46,7 @@ class Spec:
     key: tuple[str, ...]
     groups: tuple[Group, ...] = ()  # none: the row is one fact, first one wins (DO NOTHING)
     # Columns computed from other columns after the groups are merged (Python and SQL alike).
-    derived: tuple[str, ...] = ()
+    derived: tuple[Derived, ...] = ()
 
     @functools.cached_property
     def columns(self) -> tuple[str, ...]:  # read for every new row folded: built once
@@ -58,6 +60,13 @@ class Spec:
 
 
 _T = sc.Base.metadata.tables
+
+# How far behind the trainer a rollout's policy was: the step that trained it minus the version
+# it started from, else (never trained) the staleness its withheld event gave.
+STALENESS = Derived(
+    "staleness",
+    Coalesce(Minus(Col("trained_step"), Col("policy_version_start")), Col("withheld_staleness")),
+)
 RUNS = Spec(
     _T["runs"],
     ("run_id",),
@@ -120,7 +129,7 @@ ROLLOUTS = Spec(
         ),
         Group("trained_seq", ("trained_step", "train_position"), "first"),
     ),
-    derived=("staleness",),
+    derived=(STALENESS,),
 )
 STEP_ROLLOUTS = Spec(_T["step_rollouts"], ("run_id", "step", "position"))
 STEPS = Spec(_T["steps"], ("run_id", "step"))
