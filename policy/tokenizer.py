@@ -1,12 +1,49 @@
-"""A character tokenizer for toy tasks (reversing or sorting short strings, modular arithmetic).
+"""The tokenizer seam, and a character tokenizer for toy tasks.
 
-Ids 0, 1, 2 are ``<pad>``, ``<bos>``, ``<eos>``; the alphabet follows in order, one id per
-character. The default alphabet yields 58 ids, inside the tiny models' vocabulary of 64.
+:class:`Tokenizer` is all that producers, the gateway and inference ask of a tokenizer: text to
+ids and back, the special ids (``eos_id`` and ``stop_ids`` end a model turn), and chat rendering
+(a conversation to the prompt text the model was trained on; with no template, the messages'
+texts joined by a space). :func:`make_tokenizer` builds one by the name in ``[model]
+tokenizer``. :class:`CharTokenizer` is the first implementation: ids 0, 1, 2 are ``<pad>``,
+``<bos>``, ``<eos>``; the alphabet follows in order, one id per character. The default alphabet
+yields 58 ids, inside the tiny models' vocabulary of 64. Torch-free.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Protocol
+
+ChatMessage = Mapping[str, str]  # {"role": ..., "content": text}
+
+
+class Tokenizer(Protocol):
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def pad_id(self) -> int: ...
+    @property
+    def bos_id(self) -> int: ...
+    @property
+    def eos_id(self) -> int: ...
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Ids that end a model turn: EOS, and a chat template's end-of-turn tokens."""
+        ...
+
+    @property
+    def special_ids(self) -> frozenset[int]: ...
+
+    def encode(self, text: str, *, bos: bool = True, eos: bool = False) -> list[int]:
+        """Ids of ``text``; raises ValueError for text the tokenizer cannot write."""
+        ...
+
+    def decode(self, ids: Iterable[int], *, skip_special: bool = True, stop_at_eos: bool = True) -> str: ...
+
+    def render_chat(self, messages: Sequence[ChatMessage]) -> str:
+        """The prompt text of a conversation, ending where the assistant's turn begins."""
+        ...
+
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<pad>", "<bos>", "<eos>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)
@@ -18,6 +55,8 @@ class CharTokenizer:
     pad_id = 0
     bos_id = 1
     eos_id = 2
+    stop_ids = (2,)
+    special_ids = frozenset(range(len(SPECIAL_TOKENS)))
 
     def __init__(self, alphabet: str = DEFAULT_ALPHABET) -> None:
         if len(set(alphabet)) != len(alphabet):
@@ -57,3 +96,17 @@ class CharTokenizer:
                 continue
             out.append(self.alphabet[i - len(SPECIAL_TOKENS)])
         return "".join(out)
+
+    def render_chat(self, messages: Sequence[ChatMessage]) -> str:
+        # No chat template: the model sees every message's text, in order, joined by a space.
+        return " ".join(m["content"] for m in messages if m.get("content"))
+
+
+TOKENIZERS: dict[str, Callable[[], Tokenizer]] = {"char": CharTokenizer}
+
+
+def make_tokenizer(name: str = "char") -> Tokenizer:
+    try:
+        return TOKENIZERS[name]()
+    except KeyError:
+        raise ValueError(f"unknown tokenizer {name!r}; known: {sorted(TOKENIZERS)}") from None

@@ -17,7 +17,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from jetrl.policy.tokenizer import CharTokenizer
+from jetrl.policy.tokenizer import Tokenizer, make_tokenizer
 
 
 @dataclass(frozen=True)
@@ -48,9 +48,9 @@ class Environment:
 
     name: ClassVar[str] = "env"
 
-    def __init__(self, tokenizer: CharTokenizer | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer | None = None) -> None:
         # No catch-all **params: a misspelled parameter is an error at config time.
-        self.tok = tokenizer or CharTokenizer()
+        self.tok = tokenizer or make_tokenizer()
 
     def prepare(self) -> None:
         """Slow set-up (loading a dataset, say), run once in a worker thread before the first
@@ -93,7 +93,7 @@ class _StringTask(_AnswerEnv):
 
     def __init__(
         self,
-        tokenizer: CharTokenizer | None = None,
+        tokenizer: Tokenizer | None = None,
         *,
         alphabet: str = "abcd",
         min_len: int = 2,
@@ -135,7 +135,7 @@ class ModSumEnv(_AnswerEnv):
 
     name = "modsum"
 
-    def __init__(self, tokenizer: CharTokenizer | None = None, *, modulus: int = 5) -> None:
+    def __init__(self, tokenizer: Tokenizer | None = None, *, modulus: int = 5) -> None:
         super().__init__(tokenizer)
         if not 2 <= modulus <= 10:
             raise ValueError("modulus must be in 2..10 (one digit answers)")
@@ -177,7 +177,7 @@ ENVIRONMENTS: dict[str, type[Environment]] = {
 }
 
 
-def make_environment(name: str, tokenizer: CharTokenizer | None = None, **params: Any) -> Environment:
+def make_environment(name: str, tokenizer: Tokenizer | None = None, **params: Any) -> Environment:
     if name == "verifiers":  # imported here: verifiers is an optional extra
         from jetrl.producers.verifiers_env import VerifiersEnv
 

@@ -29,7 +29,7 @@ from jetrl.bus import subjects
 from jetrl.bus.client import Bus
 from jetrl.bus.log import get_logger
 from jetrl.bus.payloads import ObjectStorePayloads, Payloads
-from jetrl.policy.tokenizer import CharTokenizer
+from jetrl.policy.tokenizer import ChatMessage, Tokenizer, make_tokenizer
 
 
 class GatewaySettings(BaseModel):
@@ -57,36 +57,38 @@ class _Pending:
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def render(messages: Any) -> str:
-    """The conversation as the toy tokenizer's model sees it (it has no chat template):
-    every message's text, in order, joined by a space."""
+def chat_messages(messages: Any) -> list[ChatMessage]:
+    """The request's conversation, checked, as plain-text messages (content parts: only text
+    is understood)."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list")
-    texts = []
+    out: list[ChatMessage] = []
     for m in messages:
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise RequestError(f"each message needs a known 'role': {m!r}"[:300])
         content = m.get("content")
-        if isinstance(content, list):  # content parts: only text is understood
+        if isinstance(content, list):
             parts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
             content = " ".join(parts)
         if content is not None and not isinstance(content, str):
             raise RequestError("message 'content' must be a string or a list of text parts")
-        if content:
-            texts.append(content)
-    return " ".join(texts)
+        out.append({"role": m["role"], "content": content or ""})
+    return out
+
+
+def render(messages: Any, tokenizer: Tokenizer | None = None) -> str:
+    """The conversation as the model sees it: rendered by its tokenizer's chat template."""
+    return (tokenizer or make_tokenizer()).render_chat(chat_messages(messages))
 
 
 class ChatGateway:
-    def __init__(
-        self, bus: Bus, run_id: str, settings: GatewaySettings, tokenizer: CharTokenizer | None = None
-    ):
+    def __init__(self, bus: Bus, run_id: str, settings: GatewaySettings, tokenizer: Tokenizer | None = None):
         self.bus = bus
         self.run_id = run_id
         self.s = settings
         subjects.check_token(settings.env, "env")
         subjects.check_token(settings.tenant, "tenant")
-        self.tok = tokenizer or CharTokenizer()
+        self.tok = tokenizer or make_tokenizer()
         self.pending: dict[str, _Pending] = {}
         self.payloads: Payloads | None = None
         self.requests = 0
@@ -148,7 +150,7 @@ class ChatGateway:
             raise RequestError("the request body must be a JSON object")
         if body.get("stream"):
             raise RequestError("streaming is not supported")
-        text = render(body.get("messages"))
+        text = render(body.get("messages"), self.tok)
         try:
             tokens = self.tok.encode(text)
         except ValueError as e:

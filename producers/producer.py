@@ -29,7 +29,7 @@ from jetrl.bus import subjects
 from jetrl.bus.client import Bus, ConsumerSpec, Delivery, Reject
 from jetrl.bus.log import get_logger
 from jetrl.bus.payloads import ObjectStorePayloads, Payloads
-from jetrl.policy.tokenizer import CharTokenizer
+from jetrl.policy.tokenizer import make_tokenizer
 from jetrl.producers.environments import Environment, FollowUp, Score, make_environment
 from jetrl.producers.settings import ProducerPart
 
@@ -46,7 +46,9 @@ class EnvProducer:
         self.run_id = run_id
         self.part = part
         self.s = settings = part.env
-        self.env: Environment = make_environment(settings.env_kind, CharTokenizer(), **settings.params)
+        self.env: Environment = make_environment(
+            settings.env_kind, make_tokenizer(part.model.tokenizer), **settings.params
+        )
         self.prefix = f"{settings.name}.{settings.tenant}."
         self.tasks: dict[str, dict[str, Any]] = {}  # task_id -> info (for scoring)
         self.submitted = 0

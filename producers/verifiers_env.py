@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from jetrl.bus.log import get_logger
-from jetrl.policy.tokenizer import CharTokenizer
+from jetrl.policy.tokenizer import ChatMessage, Tokenizer
 from jetrl.producers.environments import Environment, FollowUp, Score, Task
 
 DEFAULT_TASKSET = "jetrl.producers.verifiers_reverse"
@@ -65,7 +65,7 @@ class VerifiersEnv(Environment):
 
     def __init__(
         self,
-        tokenizer: CharTokenizer | None = None,
+        tokenizer: Tokenizer | None = None,
         *,
         taskset: str = DEFAULT_TASKSET,
         taskset_config: dict[str, Any] | None = None,
@@ -113,14 +113,15 @@ class VerifiersEnv(Environment):
     # ------------------------------------------------------------------ tasks out
 
     def render(self, data: Any) -> str:
-        """The prompt as the model sees it: the system prompt, then the prompt's text. The toy
-        tokenizer has no chat template, so parts are joined by a space."""
+        """The prompt as the model sees it: the system prompt, then the prompt's messages,
+        rendered by the tokenizer's chat template."""
         prompt = data.prompt
+        msgs: list[ChatMessage] = [{"role": "system", "content": data.system_prompt or ""}]
         if prompt is None or isinstance(prompt, str):
-            texts = [prompt or ""]
+            msgs.append({"role": "user", "content": prompt or ""})
         else:
-            texts = [self.vf.types.content_text(m.content) for m in prompt]
-        return " ".join(t for t in [data.system_prompt or "", *texts] if t)
+            msgs += [{"role": m.role, "content": self.vf.types.content_text(m.content)} for m in prompt]
+        return self.tok.render_chat(msgs)
 
     def _writable(self, vf_task: Any) -> Task | None:
         text = self.render(vf_task.data)
