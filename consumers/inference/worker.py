@@ -1,7 +1,8 @@
 """The inference consumer: tasks in, completions out, weights loaded between batches.
 
 Many workers share one durable consumer on the run's task subjects, so each task goes to one of
-them. A worker generates the task's whole group with its current policy, publishes one
+them. A worker has its generation engine (consumers/inference/engine.py) generate the task's
+whole group with its current policy, publishes one
 GenerationCompleted per sample (arrays through the claim-check, routing traces for MoE), and acks
 the task only once every completion is durable. A watcher follows the weights subject; new
 weights are loaded between batches, checksum-verified, and announced with WeightsLoaded.
@@ -16,23 +17,18 @@ import contextlib
 import os
 import socket
 import time
-import uuid
-from typing import Any
 
 import numpy as np
 import structlog
-import torch
 
 from jetrl.bus import events as ev
 from jetrl.bus import subjects
 from jetrl.bus.client import Bus, ConsumerSpec, Delivery, keep_alive
 from jetrl.bus.log import get_logger
 from jetrl.bus.payloads import ObjectStorePayloads, Payloads, weight_stores
+from jetrl.consumers.inference.engine import GenerationEngine, GroupRequest, Sample, make_generation_engine
 from jetrl.consumers.inference.settings import InferencePart
-from jetrl.policy.models import build_model, get_config
-from jetrl.policy.sampling import SamplingConfig, generate, inference_copy
-from jetrl.policy.tokenizer import CharTokenizer
-from jetrl.policy.weights import load_into, weights_from_bytes
+from jetrl.policy.tokenizer import make_tokenizer
 
 
 class InferenceWorker:
@@ -41,20 +37,19 @@ class InferenceWorker:
         self.run_id = run_id
         self.worker_id = worker_id
         self.part = part
-        self.s = settings = part.inference
-        self.tok = CharTokenizer()
-        mcfg = get_config(part.model.name, **part.model.overrides)
-        # Weights come from WeightsReady events; the seed here only shapes the module.
-        self.model = inference_copy(build_model(mcfg, seed=0), settings.precision)  # type: ignore[arg-type]
-        self.loaded_version: int | None = None
+        self.s = part.inference
+        self.stop_ids = make_tokenizer(part.model.tokenizer).stop_ids
+        self.engine: GenerationEngine = make_generation_engine(part, worker_id)
         self.latest: ev.WeightsReady | None = None
         self.new_weights = asyncio.Event()
-        seed = (part.seed * 1_000_003 + (uuid.uuid5(uuid.NAMESPACE_URL, worker_id).int % 1_000_003)) % 2**63
-        self.generator = torch.Generator().manual_seed(seed)
         self.payloads: Payloads | None = None
         self.busy = False
         self.stats = {"tasks": 0, "samples": 0, "tokens": 0, "generate_s": 0.0, "weight_loads": 0}
         self.log = get_logger(__name__, run_id=run_id, worker_id=worker_id)
+
+    @property
+    def loaded_version(self) -> int | None:
+        return self.engine.loaded_version
 
     # ---------------------------------------------------------------- weights
 
@@ -75,10 +70,7 @@ class InferenceWorker:
             return
         assert self.payloads is not None
         t0 = time.perf_counter()
-        data = await self.payloads.get_bytes(ready.location)  # size and SHA-256 checked
-        tensors, _ = weights_from_bytes(data, expected_checksum=ready.weights_checksum)
-        load_into(self.model, tensors)
-        self.loaded_version = ready.version
+        await self.engine.load_weights(ready, self.payloads)
         self.stats["weight_loads"] += 1
         load_s = time.perf_counter() - t0
         await self.bus.publish(
@@ -117,45 +109,38 @@ class InferenceWorker:
         await self.load_latest()  # between batches, take anything newer
         load_wait = time.perf_counter() - t_wait
         version = self.loaded_version or 0
-        # One generate() call per temperature/max_tokens combination: groups batched together.
-        by_cfg: dict[tuple[float, int], list[tuple[Delivery, ev.TaskSubmitted]]] = {}
-        for d, t in tasks:
-            assert isinstance(t, ev.TaskSubmitted)
-            by_cfg.setdefault((t.temperature, t.max_tokens), []).append((d, t))
-        assert self.payloads is not None
-        pub = self.bus.publisher(max_inflight=256)
-        self.busy = True
-        for (temperature, max_tokens), items in by_cfg.items():
-            prompts = [t.prompt_tokens for _, t in items for _ in range(t.group_size)]
-            cfg = SamplingConfig(
-                max_tokens=max(1, max_tokens),
-                temperature=temperature,
+        requests = [
+            GroupRequest(
+                prompt_tokens=t.prompt_tokens,
+                n=t.group_size,
+                max_tokens=t.max_tokens,
+                temperature=t.temperature,
                 top_p=self.s.top_p,
-                stop_token_ids=(self.tok.eos_id,),
+                stop_token_ids=self.stop_ids,
             )
-            t0 = time.perf_counter()
-            async with keep_alive([d for d, _ in items], self.s.ack_wait_s / 3):
-                gens = await asyncio.to_thread(generate, self.model, prompts, cfg, generator=self.generator)
-            gen_s = time.perf_counter() - t0
-            self.stats["generate_s"] += gen_s
-            k = 0
-            for d, t in items:
-                queued = max(0.0, time.time() - d.event.time)
-                # The group shares its prompt: stored once per task, referenced by every sample.
-                prompt = await self.payloads.put_array(
-                    f"prompt-{d.event.event_id}", np.asarray(gens[k].prompt_ids, dtype=np.int32)
+            for _, t in tasks
+        ]
+        assert self.payloads is not None
+        self.busy = True
+        t0 = time.perf_counter()
+        async with keep_alive(deliveries, self.s.ack_wait_s / 3):
+            groups = await self.engine.generate(requests)
+        gen_s = time.perf_counter() - t0
+        self.stats["generate_s"] += gen_s
+        pub = self.bus.publisher(max_inflight=256)
+        for (d, t), samples in zip(tasks, groups, strict=True):
+            queued = max(0.0, time.time() - d.event.time)
+            # The group shares its prompt: stored once per task, referenced by every sample.
+            prompt = await self.payloads.put_array(
+                f"prompt-{d.event.event_id}", np.asarray(t.prompt_tokens, dtype=np.int32)
+            )
+            for i, g in enumerate(samples):
+                await pub.publish(
+                    await self._completion_event(d.event, t, i, g, prompt, version, queued, gen_s, load_wait)
                 )
-                for i in range(t.group_size):
-                    g = gens[k]
-                    k += 1
-                    await pub.publish(
-                        await self._completion_event(
-                            d.event, t, i, g, prompt, version, queued, gen_s, load_wait
-                        )
-                    )
-                    self.stats["samples"] += 1
-                    self.stats["tokens"] += len(g.completion_ids)
-                self.stats["tasks"] += 1
+                self.stats["samples"] += 1
+                self.stats["tokens"] += len(g.completion_tokens)
+            self.stats["tasks"] += 1
         await pub.flush()
         self.busy = False
         for d in deliveries:
@@ -166,7 +151,7 @@ class InferenceWorker:
         task_event: ev.Event,
         t: ev.TaskSubmitted,
         i: int,
-        g: Any,
+        g: Sample,
         prompt: ev.ArrayRef,
         version: int,
         queued: float,
@@ -177,8 +162,8 @@ class InferenceWorker:
         gen_id = f"{t.task_id}-{i}"
         eid = ev.derived_id(self.run_id, f"gen/{task_event.event_id}/{i}")
         trace = None
-        if g.routing is not None:
-            trace = await self.payloads.put_array(f"trace-{eid}", g.routing.numpy())
+        if g.routing_trace is not None:
+            trace = await self.payloads.put_array(f"trace-{eid}", g.routing_trace)
         body = ev.GenerationCompleted(
             generation_id=gen_id,
             task_id=t.task_id,
@@ -187,10 +172,8 @@ class InferenceWorker:
             sample_index=i,
             group_size=t.group_size,
             prompt_tokens=prompt,
-            completion_tokens=await self.payloads.put_array(
-                f"tokens-{eid}", np.asarray(g.completion_ids, dtype=np.int32)
-            ),
-            logprobs=await self.payloads.put_array(f"logprobs-{eid}", g.logprobs.numpy().astype(np.float32)),
+            completion_tokens=await self.payloads.put_array(f"tokens-{eid}", g.completion_tokens),
+            logprobs=await self.payloads.put_array(f"logprobs-{eid}", g.logprobs),
             routing_trace=trace,
             policy_version_start=version,
             policy_version_end=version,
@@ -221,7 +204,6 @@ class InferenceWorker:
                 await asyncio.wait_for(stop.wait(), timeout=self.s.heartbeat_s)
 
     async def run(self, stop: asyncio.Event) -> None:
-        torch.set_num_threads(self.s.threads)
         objstore = await ObjectStorePayloads.for_run(self.bus.js, self.run_id)
         self.payloads = Payloads(objstore, *weight_stores(self.part.weights_dir, objstore.bucket))
         consumer = await self.bus.consumer(
@@ -268,4 +250,5 @@ class InferenceWorker:
                 await watcher
             with contextlib.suppress(Exception):
                 await beat
+            await self.engine.close()
             self.log.info("inference_worker_stopped", **self.stats)

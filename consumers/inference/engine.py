@@ -1,0 +1,71 @@
+"""The generation-engine seam: what the inference worker asks of whatever generates.
+
+An engine takes a batch of groups (a prompt's token ids, how many samples, sampling
+parameters) and returns every sample's completion token ids, the logprobs of the sampled tokens
+under the distribution they were drawn from, its finish reason and, for MoE models, its Router
+Replay trace (``[prompt + completion - 1, moe_layers, top_k]``, uint8, uint16 past 256 experts).
+It loads the weights a WeightsReady names (checksum-verified) and says which version it holds.
+The worker owns everything else: tasks, leases, events, payloads. ``[inference] engine`` names
+one: a built-in of :data:`ENGINES`, or any ``package.module:attr`` (a class or factory taking
+the worker's :class:`InferencePart` and worker id). Torch-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import numpy as np
+
+from jetrl.bus import events as ev
+from jetrl.bus.payloads import Payloads
+from jetrl.bus.runtime import load_plugin
+from jetrl.consumers.inference.settings import InferencePart
+
+ENGINES = {"titan": "jetrl.consumers.inference.titan_engine:TitanEngine"}
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class GroupRequest:
+    """``n`` samples of one prompt."""
+
+    prompt_tokens: Sequence[int]
+    n: int
+    max_tokens: int
+    temperature: float
+    top_p: float
+    stop_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Sample:
+    completion_tokens: np.ndarray  # int32 [C]
+    logprobs: np.ndarray  # float32 [C]
+    finish_reason: FinishReason
+    routing_trace: np.ndarray | None = None  # MoE only
+
+
+class GenerationEngine(Protocol):
+    @property
+    def loaded_version(self) -> int | None:
+        """The policy version of the weights generated with (None before the first load)."""
+        ...
+
+    async def generate(self, groups: Sequence[GroupRequest]) -> list[list[Sample]]:
+        """Each group's ``n`` samples, in the order asked, all under one weights version."""
+        ...
+
+    async def load_weights(self, ready: ev.WeightsReady, payloads: Payloads) -> None:
+        """Load the weights ``ready`` names, verifying their checksum; raises if they do not match."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def make_generation_engine(part: InferencePart, worker_id: str) -> GenerationEngine:
+    factory = load_plugin(part.inference.engine, ENGINES, "generation engine")
+    engine: GenerationEngine = factory(part, worker_id)
+    return engine

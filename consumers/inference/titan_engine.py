@@ -1,0 +1,76 @@
+"""The embedded generation engine: jetrl's torchtitan model in this process, in the inference
+precision (independent of the trainer's), batched generation with a KV cache and routing
+capture (policy/sampling.py). Groups that share temperature and max tokens are generated
+together in one batch."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from jetrl.bus import events as ev
+from jetrl.bus.payloads import Payloads
+from jetrl.consumers.inference.engine import GroupRequest, Sample
+from jetrl.consumers.inference.settings import InferencePart
+from jetrl.policy.models import build_model, get_config
+from jetrl.policy.sampling import SamplingConfig, generate, inference_copy
+from jetrl.policy.weights import load_into, weights_from_bytes
+
+
+class TitanEngine:
+    def __init__(self, part: InferencePart, worker_id: str) -> None:
+        s = self.s = part.inference
+        torch.set_num_threads(s.threads)
+        mcfg = get_config(part.model.name, **part.model.overrides)
+        # Weights come from WeightsReady events; the seed here only shapes the module.
+        self.model = inference_copy(build_model(mcfg, seed=0), s.precision)
+        # Each worker samples its own stream, reproducible from the run seed and its id.
+        seed = (part.seed * 1_000_003 + (uuid.uuid5(uuid.NAMESPACE_URL, worker_id).int % 1_000_003)) % 2**63
+        self.generator = torch.Generator().manual_seed(seed)
+        self._version: int | None = None
+
+    @property
+    def loaded_version(self) -> int | None:
+        return self._version
+
+    async def generate(self, groups: Sequence[GroupRequest]) -> list[list[Sample]]:
+        by_cfg: dict[SamplingConfig, list[int]] = {}
+        for i, g in enumerate(groups):
+            cfg = SamplingConfig(
+                max_tokens=max(1, g.max_tokens),
+                temperature=g.temperature,
+                top_p=g.top_p,
+                stop_token_ids=g.stop_token_ids,
+            )
+            by_cfg.setdefault(cfg, []).append(i)
+        out: list[list[Sample]] = [[] for _ in groups]
+        for cfg, idx in by_cfg.items():
+            prompts = [list(groups[i].prompt_tokens) for i in idx for _ in range(groups[i].n)]
+            gens = await asyncio.to_thread(generate, self.model, prompts, cfg, generator=self.generator)
+            k = 0
+            for i in idx:
+                for _ in range(groups[i].n):
+                    g = gens[k]
+                    k += 1
+                    out[i].append(
+                        Sample(
+                            completion_tokens=np.asarray(g.completion_ids, dtype=np.int32),
+                            logprobs=g.logprobs.numpy().astype(np.float32),
+                            finish_reason=g.finish_reason,
+                            routing_trace=None if g.routing is None else g.routing.numpy(),
+                        )
+                    )
+        return out
+
+    async def load_weights(self, ready: ev.WeightsReady, payloads: Payloads) -> None:
+        data = await payloads.get_bytes(ready.location)  # size and SHA-256 checked
+        tensors, _ = weights_from_bytes(data, expected_checksum=ready.weights_checksum)
+        load_into(self.model, tensors)
+        self._version = ready.version
+
+    async def close(self) -> None:
+        """Nothing to release: the model is this process's memory."""

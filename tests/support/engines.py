@@ -1,0 +1,49 @@
+"""A generation engine with no model, plugged in by configuration alone
+(``--inference.engine tests.support.engines:OracleEngine``): it reads each modsum prompt
+("3+4=") and answers it correctly, with probability one. It proves that the inference worker
+depends only on the seam: a run through it trains every step on a reward of exactly 1."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from jetrl.bus import events as ev
+from jetrl.bus.payloads import Payloads
+from jetrl.consumers.inference.engine import GroupRequest, Sample
+from jetrl.consumers.inference.settings import InferencePart
+from jetrl.policy.tokenizer import CharTokenizer
+
+MODULUS = 5  # modsum's default
+
+
+class OracleEngine:
+    def __init__(self, part: InferencePart, worker_id: str) -> None:
+        self.tok = CharTokenizer()
+        self._version: int | None = None
+        self.loads: list[int] = []
+
+    @property
+    def loaded_version(self) -> int | None:
+        return self._version
+
+    def answer(self, prompt: Sequence[int]) -> np.ndarray:
+        a, b = self.tok.decode(prompt).removesuffix("=").split("+")
+        ids = self.tok.encode(str((int(a) + int(b)) % MODULUS), bos=False, eos=True)
+        return np.asarray(ids, dtype=np.int32)
+
+    async def generate(self, groups: Sequence[GroupRequest]) -> list[list[Sample]]:
+        out = []
+        for g in groups:
+            ids = self.answer(g.prompt_tokens)[: g.max_tokens]
+            reason = "stop" if ids[-1] in g.stop_token_ids else "length"
+            out.append([Sample(ids, np.zeros(len(ids), np.float32), reason) for _ in range(g.n)])
+        return out
+
+    async def load_weights(self, ready: ev.WeightsReady, payloads: Payloads) -> None:
+        await payloads.get_bytes(ready.location)  # size and SHA-256 checked; no model to load into
+        self._version = ready.version
+
+    async def close(self) -> None:
+        pass
