@@ -1,9 +1,11 @@
 """The deterministic core of the trainer, shared by the live trainer and by replay.
 
-Given the same starting weights and optimizer state, the same rollouts in the same order and
-the same settings (and torch thread count), :meth:`TrainCore.step` produces bit-identical
-weights on CPU. That is what lets a restarted trainer re-take logged steps, and `jetrl replay
---verify` check every recorded checksum.
+It turns logged rollouts into training inputs (payloads read, group advantages) and keeps the
+checkpoint files; the computation is its train engine's (consumers/trainer/engine.py). Given
+the same starting weights and optimizer state, the same rollouts in the same order and the same
+settings (and torch thread count), :meth:`TrainCore.train` produces bit-identical weights on
+CPU. That is what lets a restarted trainer re-take logged steps, and `jetrl replay --verify`
+check every recorded checksum.
 """
 
 from __future__ import annotations
@@ -17,11 +19,10 @@ import torch
 
 from jetrl.bus import events as ev
 from jetrl.bus.payloads import Payloads
+from jetrl.consumers.trainer.engine import TrainEngine, make_train_engine
 from jetrl.consumers.trainer.settings import TrainerPart
-from jetrl.policy.loss import LossConfig, group_advantages
-from jetrl.policy.models import build_model, get_config
-from jetrl.policy.train import Rollout, collate, make_optimizer, set_deterministic, train_step
-from jetrl.policy.weights import checksum, load_into
+from jetrl.policy.loss import group_advantages
+from jetrl.policy.train import Rollout
 
 CHECKPOINT_FORMAT = 1
 
@@ -37,12 +38,8 @@ class Checkpoint:
 class TrainCore:
     def __init__(self, part: TrainerPart) -> None:
         self.part = part
-        self.s = s = part.trainer
-        set_deterministic(part.seed, num_threads=s.threads)
-        self.mcfg = get_config(part.model.name, **part.model.overrides)
-        self.model = build_model(self.mcfg, seed=part.seed)
-        self.optimizer = make_optimizer(self.model, lr=s.lr, weight_decay=s.weight_decay)
-        self.loss_cfg = LossConfig(kl_coef=s.kl_coef, entropy_coef=s.entropy_coef)
+        self.s = part.trainer
+        self.engine: TrainEngine = make_train_engine(part)
 
     # ------------------------------------------------------------------ one step
 
@@ -74,19 +71,10 @@ class TrainCore:
         return out
 
     def train(self, rollouts: list[Rollout]) -> dict[str, float]:
-        batch = collate(rollouts, self.mcfg)
-        return train_step(
-            self.model,
-            self.optimizer,
-            batch,
-            self.loss_cfg,
-            replay=self.s.replay and self.mcfg.is_moe,
-            max_grad_norm=self.s.max_grad_norm,
-            temperature=self.part.temperature,
-        )
+        return self.engine.step(rollouts)
 
     def checksum(self) -> str:
-        return checksum(self.model)
+        return self.engine.checksum()
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -102,8 +90,7 @@ class TrainCore:
             "version": version,
             "weights_checksum": digest,
             "log_seq": log_seq,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            **self.engine.state_dict(),
         }
         with tmp.open("wb") as f:
             torch.save(state, f)
@@ -118,8 +105,7 @@ class TrainCore:
         state = torch.load(path, weights_only=True)
         if state.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{path}: unknown checkpoint format {state.get('format')!r}")
-        load_into(self.model, state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.engine.load_state_dict(state)
         digest = self.checksum()
         if digest != state["weights_checksum"]:
             raise ValueError(

@@ -20,7 +20,7 @@ from jetrl.bus.client import Bus
 from jetrl.bus.payloads import Payloads
 from jetrl.consumers.trainer.core import Checkpoint, TrainCore, checkpoint_path
 from jetrl.consumers.trainer.settings import TrainerSettings
-from jetrl.policy.weights import load_into, weights_from_bytes
+from jetrl.policy.weights import weights_from_bytes
 
 
 class ReplayError(RuntimeError):
@@ -123,7 +123,7 @@ class Replayer:
             raise ReplayError("the log has no initial weights (WeightsReady version 0)")
         data = await self.payloads.get_bytes(ready.location)
         tensors, _ = weights_from_bytes(data, expected_checksum=ready.weights_checksum)
-        load_into(self.core.model, tensors)
+        self.core.engine.load_weights(tensors)
         self.version = 0
         return None
 

@@ -37,7 +37,6 @@ from jetrl.bus.payloads import ObjectStorePayloads, Payloads, PayloadStore, weig
 from jetrl.consumers.trainer.core import TrainCore, checkpoint_version, list_checkpoints
 from jetrl.consumers.trainer.replay import Replayer, ReplayError, read_rollouts, read_run_log
 from jetrl.consumers.trainer.settings import TrainerPart
-from jetrl.policy.weights import weights_to_bytes
 
 
 @dataclass
@@ -143,7 +142,7 @@ class Trainer:
         v = self.version
         # Serialising and hashing every weight is CPU work: off the event loop, like training.
         data, digest = await asyncio.to_thread(
-            weights_to_bytes, self.core.model, {"version": str(v), "run": self.run_id}
+            self.core.engine.export_weights, {"version": str(v), "run": self.run_id}
         )
         ref = await self.weights_store.put(f"weights-v{v}", data)
         await self.bus.publish(

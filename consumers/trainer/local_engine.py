@@ -1,0 +1,67 @@
+"""The single-process train engine: jetrl's torchtitan model and AdamW in this process, on CPU
+bit-reproducible for a fixed thread count (policy/train.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from jetrl.consumers.trainer.settings import TrainerPart
+from jetrl.policy.loss import LossConfig
+from jetrl.policy.models import build_model, get_config
+from jetrl.policy.train import (
+    Rollout,
+    collate,
+    compute_logprobs,
+    make_optimizer,
+    set_deterministic,
+    train_step,
+)
+from jetrl.policy.weights import checksum, load_into, weights_to_bytes
+
+
+class LocalTrainEngine:
+    def __init__(self, part: TrainerPart) -> None:
+        s = self.s = part.trainer
+        self.temperature = part.temperature
+        set_deterministic(part.seed, num_threads=s.threads)
+        self.mcfg = get_config(part.model.name, **part.model.overrides)
+        self.model = build_model(self.mcfg, seed=part.seed)
+        self.optimizer = make_optimizer(self.model, lr=s.lr, weight_decay=s.weight_decay)
+        self.loss_cfg = LossConfig(kl_coef=s.kl_coef, entropy_coef=s.entropy_coef)
+        self.replay = s.replay and self.mcfg.is_moe
+
+    def logprobs(self, rollouts: Sequence[Rollout]) -> list[torch.Tensor]:
+        batch = collate(rollouts, self.mcfg)
+        with torch.no_grad():
+            lp, _ = compute_logprobs(self.model, batch, temperature=self.temperature, replay=self.replay)
+        return [lp[i][batch.loss_mask[i]] for i in range(len(rollouts))]
+
+    def step(self, rollouts: Sequence[Rollout]) -> dict[str, float]:
+        return train_step(
+            self.model,
+            self.optimizer,
+            collate(rollouts, self.mcfg),
+            self.loss_cfg,
+            replay=self.replay,
+            max_grad_norm=self.s.max_grad_norm,
+            temperature=self.temperature,
+        )
+
+    def checksum(self) -> str:
+        return checksum(self.model)
+
+    def export_weights(self, metadata: Mapping[str, str]) -> tuple[bytes, str]:
+        return weights_to_bytes(self.model, metadata)
+
+    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        load_into(self.model, tensors)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        load_into(self.model, state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
