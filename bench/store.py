@@ -19,21 +19,24 @@ fresh database is created and dropped there); without either the PostgreSQL half
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 # Quiet before jetrl configures structlog at import: only the figures go to the terminal.
 os.environ.setdefault("JETRL_LOG_LEVEL", "warning")
+# `python bench/store.py` puts bench/, not the repo root, on sys.path; the synthetic run lives
+# in the tests tree (tests/support), which is not installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import argparse
 import asyncio
 import multiprocessing as mp
-import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import sqlalchemy as sa
 
@@ -45,7 +48,7 @@ from jetrl.consumers.recorder import Recorder
 from jetrl.store import schema as sc
 from jetrl.store.db import Store, open_store
 from jetrl.store.projection import apply_batch
-from jetrl.store.synthetic import check_projection, log_items, publish_events, synthetic_run
+from tests.support.synthetic import check_projection, log_items, publish_events, synthetic_run
 
 LIMITS = StreamLimits(max_bytes=4 * 1024**3, payload_max_bytes=64 * 1024**2)
 EVENTS_PER_STEP = 154  # of synthetic_run's defaults, to size a run by events

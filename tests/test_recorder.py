@@ -12,7 +12,7 @@ from jetrl.bus.client import Bus
 from jetrl.consumers.recorder import Recorder
 from jetrl.store import dump, queries
 from jetrl.store.db import Store, open_store
-from jetrl.store.synthetic import check_projection, publish_events, synthetic_run
+from tests.support.synthetic import check_projection, publish_events, synthetic_run
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from jetrl.bus.server import EmbeddedServer
 from jetrl.consumers.recorder import Recorder
 from jetrl.store import dump, queries
 from jetrl.store.db import Store, open_store
-from jetrl.store.synthetic import check_projection, publish_events, synthetic_run
+from tests.support.synthetic import check_projection, publish_events, synthetic_run
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
 

@@ -17,7 +17,7 @@ from jetrl.consumers.recorder import Recorder
 from jetrl.deploy import store_cmd
 from jetrl.store import schema as sc
 from jetrl.store.db import open_store
-from jetrl.store.synthetic import SyntheticRun, publish_events, synthetic_run
+from tests.support.synthetic import SyntheticRun, publish_events, synthetic_run
 
 TEST_LIMITS_BYTES = 64 * 1024**2
 

@@ -11,7 +11,7 @@ from jetrl.store import dump
 from jetrl.store.db import Store
 from jetrl.store.projection import LogItem, apply_batch, fold
 from jetrl.store.projectors import PROJECTORS
-from jetrl.store.synthetic import check_projection, log_items, synthetic_run
+from tests.support.synthetic import check_projection, log_items, synthetic_run
 
 
 def project(

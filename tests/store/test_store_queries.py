@@ -10,7 +10,7 @@ import pytest
 from jetrl.store import queries
 from jetrl.store.db import Store
 from jetrl.store.projection import apply_batch
-from jetrl.store.synthetic import SyntheticRun, log_items, synthetic_run
+from tests.support.synthetic import SyntheticRun, log_items, synthetic_run
 
 
 @pytest.fixture

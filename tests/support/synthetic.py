@@ -18,13 +18,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import sqlalchemy as sa
+
 from jetrl.bus import events as ev
 from jetrl.bus import subjects
 from jetrl.bus.client import Bus
 from jetrl.bus.streams import payload_bucket
+from jetrl.store import schema as sc
 from jetrl.store.projection import LogItem
 
-__all__ = ["SyntheticRun", "Truth", "log_items", "publish_events", "synthetic_run"]
+__all__ = ["SyntheticRun", "Truth", "check_projection", "log_items", "publish_events", "synthetic_run"]
 
 
 @dataclass
@@ -302,10 +305,6 @@ async def publish_events(bus: Bus, events: Sequence[ev.Event], *, max_inflight: 
 def check_projection(conn: Any, run: SyntheticRun, *, dead_letters: int = 0) -> list[str]:
     """Compare a store's projection of ``run`` with the run's truth; returns the mismatches
     (empty when exact). Used by the tests and by bench/store.py to check what it measured."""
-    import sqlalchemy as sa
-
-    from jetrl.store import schema as sc
-
     t = sc.Base.metadata.tables
     rid = run.run_id
     truth = run.truth
