@@ -9,7 +9,11 @@ before the commit leaves nothing; a crash after it leaves rows and offset togeth
 The upserts are idempotent on their own as well: each group of columns carries the sequence
 of the event that wrote it and is written "first fact wins" or "last state wins" against that
 sequence, so applying the same events twice, or the groups of a batch in any order, yields the
-same row (docs/store.md, "Exactness").
+same row (docs/store.md, "How the recorder stays exact").
+
+This module holds the fold, the SQL and the tracking row; what each event writes is in
+store/projectors.py, each table's key and column groups in store/specs.py, and columns
+computed from others (staleness) in store/derived.py, shared by the fold and the SQL.
 """
 
 from __future__ import annotations
