@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 
 from jetrl.bus import events as ev
-from jetrl.bus import subjects
+from jetrl.bus import ids, subjects
 from jetrl.bus.log import get_logger
 from jetrl.bus.streams import StreamLimits, ensure_payload_bucket, ensure_run_stream, stream_name
 
@@ -620,7 +619,7 @@ class PullConsumer:
             original_data=bytes(msg.data),
         )
         # Deterministic id: a dead letter re-sent after a crash is stored once.
-        dl_id = uuid.uuid5(uuid.NAMESPACE_URL, f"dlq/{self.spec.run_id}/{self.spec.durable}/{seq}").hex
+        dl_id = ids.dead_letter_id(self.spec.run_id, self.spec.durable, seq)
         dl = ev.new_event(
             body,
             run_id=self.spec.run_id,

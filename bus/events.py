@@ -124,6 +124,25 @@ class RunFinished(EventBody):
     reason: str = ""
 
 
+class EpisodeState(msgspec.Struct, frozen=True, kw_only=True):
+    """A multi-turn episode so far, carried by the task of its next model turn so that a
+    restarted producer finds it in the log. ``completion`` holds every turn after the first
+    prompt (model and environment alike); ``mask`` is 1 where the model wrote the token;
+    ``logprobs`` are the sampled tokens' (0.0 on the environment's); ``version_start`` is the
+    oldest policy version among the episode's turns."""
+
+    group_id: str
+    sample_index: int
+    group_size: int
+    task_id: str  # the first turn's
+    prompt: list[int]
+    completion: list[int]
+    mask: list[int]
+    logprobs: list[float]
+    version_start: int
+    max_tokens: int
+
+
 class TaskSubmitted(EventBody):
     """A task handed out for generation: one prompt, ``group_size`` samples wanted, with a
     policy version at least ``min_policy_version`` (how the producer bounds staleness and makes
@@ -141,6 +160,7 @@ class TaskSubmitted(EventBody):
     info: dict[str, Any] = {}
     min_policy_version: int = 0
     temperature: float = 1.0
+    episode: EpisodeState | None = None  # later turns of a multi-turn episode
 
 
 class GenerationTimings(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -332,13 +352,6 @@ class _WireEnvelope(msgspec.Struct, kw_only=True):
 
 def new_event_id() -> str:
     return uuid.uuid4().hex
-
-
-def derived_id(run_id: str, what: str) -> str:
-    """The event id of a fact named by what it is about (``step/12``, ``task/<id>``): the same
-    fact published twice, by a retry or a restarted process, gets the same id, and the stream's
-    duplicate window drops the second copy."""
-    return uuid.uuid5(uuid.NAMESPACE_URL, f"{run_id}/{what}").hex
 
 
 def new_event(

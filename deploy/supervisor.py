@@ -28,7 +28,7 @@ from pydantic import BaseModel
 
 from jetrl import __version__
 from jetrl.bus import events as ev
-from jetrl.bus import subjects
+from jetrl.bus import ids, subjects
 from jetrl.bus.client import Bus
 from jetrl.bus.log import get_logger
 from jetrl.bus.server import EmbeddedServer
@@ -249,7 +249,7 @@ class Supervisor:
                             library_versions=library_versions(),
                         ),
                         run_id=self.run_id,
-                        event_id=ev.derived_id(self.run_id, "started"),
+                        event_id=ids.run_started_id(self.run_id),
                     )
                 )
             self.say(
@@ -301,7 +301,7 @@ class Supervisor:
                     ev.new_event(
                         ev.RunFinished(status=status, steps=steps, reason=reason),  # type: ignore[arg-type]
                         run_id=self.run_id,
-                        event_id=ev.derived_id(self.run_id, f"finished/{status}/{steps}"),
+                        event_id=ids.run_finished_id(self.run_id, status, steps),
                     )
                 )
             head = await bus.last_seq(self.run_id)

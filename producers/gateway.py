@@ -25,7 +25,7 @@ from aiohttp import web
 from pydantic import BaseModel, Field
 
 from jetrl.bus import events as ev
-from jetrl.bus import subjects
+from jetrl.bus import ids, subjects
 from jetrl.bus.client import Bus
 from jetrl.bus.log import get_logger
 from jetrl.bus.payloads import ObjectStorePayloads, Payloads
@@ -172,7 +172,7 @@ class ChatGateway:
         task, the policy version that answered and the generation ids."""
         self.requests += 1
         text, tokens, n, max_tokens, temperature, want_logprobs = self._parse(body)
-        task_id = f"{self.s.env}.{self.s.tenant}.{uuid.uuid4().hex}"
+        task_id = ids.task_id(self.s.env, self.s.tenant, uuid.uuid4().hex)
         pending = _Pending(n, asyncio.get_running_loop().create_future())
         self.pending[task_id] = pending
         try:
@@ -190,7 +190,7 @@ class ChatGateway:
                     ),
                     run_id=self.run_id,
                     tenant=self.s.tenant,
-                    event_id=ev.derived_id(self.run_id, f"task/{task_id}"),
+                    event_id=ids.task_event_id(self.run_id, task_id),
                 )
             )
             gens = await asyncio.wait_for(pending.done, self.s.timeout_s)
@@ -204,11 +204,11 @@ class ChatGateway:
         assert self.payloads is not None
         choices, completion_tokens = [], 0
         for i, g in enumerate(gens):
-            ids = (await self.payloads.get_array(g.completion_tokens)).astype(np.int64).tolist()
-            completion_tokens += len(ids)
+            toks = (await self.payloads.get_array(g.completion_tokens)).astype(np.int64).tolist()
+            completion_tokens += len(toks)
             choice: dict[str, Any] = {
                 "index": i,
-                "message": {"role": "assistant", "content": self.tok.decode(ids)},
+                "message": {"role": "assistant", "content": self.tok.decode(toks)},
                 "finish_reason": "length" if g.finish_reason == "length" else "stop",
             }
             if want_logprobs:
@@ -216,12 +216,12 @@ class ChatGateway:
                 choice["logprobs"] = {
                     "content": [
                         {"token": self.tok.decode([t], skip_special=False, stop_at_eos=False), "logprob": lp}
-                        for t, lp in zip(ids, lps, strict=False)
+                        for t, lp in zip(toks, lps, strict=False)
                     ]
                 }
             choices.append(choice)
         return {
-            "id": f"chatcmpl-{task_id.rsplit('.', 1)[1]}",
+            "id": f"chatcmpl-{ids.task_number(task_id)}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": self.s.model,

@@ -22,7 +22,7 @@ import numpy as np
 import structlog
 
 from jetrl.bus import events as ev
-from jetrl.bus import subjects
+from jetrl.bus import ids, subjects
 from jetrl.bus.client import Bus, ConsumerSpec, Delivery, keep_alive
 from jetrl.bus.log import get_logger
 from jetrl.bus.payloads import ObjectStorePayloads, Payloads, weight_stores
@@ -77,7 +77,7 @@ class InferenceWorker:
             ev.new_event(
                 ev.WeightsLoaded(version=ready.version, worker_id=self.worker_id, load_s=load_s),
                 run_id=self.run_id,
-                event_id=ev.derived_id(self.run_id, f"loaded/{self.worker_id}/{ready.version}"),
+                event_id=ids.loaded_event_id(self.run_id, self.worker_id, ready.version),
             )
         )
         self.log.info("weights_loaded", version=ready.version, load_s=round(load_s, 3))
@@ -159,8 +159,8 @@ class InferenceWorker:
         load_wait: float,
     ) -> ev.Event:
         assert self.payloads is not None
-        gen_id = f"{t.task_id}-{i}"
-        eid = ev.derived_id(self.run_id, f"gen/{task_event.event_id}/{i}")
+        gen_id = ids.generation_id(t.task_id, i)
+        eid = ids.generation_event_id(self.run_id, task_event.event_id, i)
         trace = None
         if g.routing_trace is not None:
             trace = await self.payloads.put_array(f"trace-{eid}", g.routing_trace)

@@ -30,7 +30,7 @@ from typing import Any
 import structlog
 
 from jetrl.bus import events as ev
-from jetrl.bus import subjects
+from jetrl.bus import ids, subjects
 from jetrl.bus.client import Bus, ConsumerSpec, Delivery
 from jetrl.bus.log import get_logger
 from jetrl.bus.payloads import ObjectStorePayloads, Payloads, PayloadStore, weight_stores
@@ -151,14 +151,14 @@ class Trainer:
                     version=v, step=v, weights_checksum=digest, parent_version=v - 1 if v else None
                 ),
                 run_id=self.run_id,
-                event_id=ev.derived_id(self.run_id, f"policy/{v}"),
+                event_id=ids.policy_event_id(self.run_id, v),
             )
         )
         ack = await self.bus.publish(
             ev.new_event(
                 ev.WeightsReady(version=v, location=ref, weights_checksum=digest),
                 run_id=self.run_id,
-                event_id=ev.derived_id(self.run_id, f"weights/{v}"),
+                event_id=ids.weights_event_id(self.run_id, v),
             )
         )
         return int(ack.seq)
@@ -187,7 +187,7 @@ class Trainer:
                     duration_s=duration_s,
                 ),
                 run_id=self.run_id,
-                event_id=ev.derived_id(self.run_id, f"step/{step}"),
+                event_id=ids.step_event_id(self.run_id, step),
             )
         )
         await self.announce_version()
@@ -212,7 +212,7 @@ class Trainer:
                     run_id=self.run_id,
                     tenant=d.event.tenant,
                     causation_id=d.event.event_id,
-                    event_id=ev.derived_id(self.run_id, f"withheld/{b.rollout_id}"),
+                    event_id=ids.withheld_event_id(self.run_id, b.rollout_id),
                 )
             )
             await d.ack()
@@ -254,18 +254,23 @@ class Trainer:
             groups=float(len(groups)),
             **{f"reward_{k}": sum(v) / len(v) for k, v in parts.items()},
         )
-        ids = [d.event.body.rollout_id for g in groups for d in g.deliveries]  # type: ignore[attr-defined]
+        rollout_ids = [d.event.body.rollout_id for g in groups for d in g.deliveries]  # type: ignore[attr-defined]
         seqs = [d.seq for g in groups for d in g.deliveries]
         duration = time.perf_counter() - t0
         metrics["step_s"] = duration
         step_seq = await self.publish_step(
-            step=step, rollout_ids=ids, rollout_seqs=seqs, metrics=metrics, tokens=tokens, duration_s=duration
+            step=step,
+            rollout_ids=rollout_ids,
+            rollout_seqs=seqs,
+            metrics=metrics,
+            tokens=tokens,
+            duration_s=duration,
         )
         # StepCompleted is durable: only now are the rollouts settled.
         for g in groups:
             for d in g.deliveries:
                 await d.ack()
-        self.trained.update(ids)
+        self.trained.update(rollout_ids)
         if self.s.checkpoint_every and self.version % self.s.checkpoint_every == 0:
             await asyncio.to_thread(self.core.save_checkpoint, self.ckpt_dir, self.version, step_seq)
         structlog.contextvars.bind_contextvars(step=step)
