@@ -21,23 +21,18 @@ import math
 import random
 from typing import Any
 
+import msgspec
 import numpy as np
 import structlog
 
 from jetrl.bus import events as ev
-from jetrl.bus import subjects
+from jetrl.bus import ids, subjects
 from jetrl.bus.client import Bus, ConsumerSpec, Delivery, Reject
 from jetrl.bus.log import get_logger
 from jetrl.bus.payloads import ObjectStorePayloads, Payloads
 from jetrl.policy.tokenizer import make_tokenizer
 from jetrl.producers.environments import Environment, FollowUp, Score, make_environment
 from jetrl.producers.settings import ProducerPart
-
-EPISODE_KEY = "_episode"  # task info key carrying a multi-turn episode's state
-
-
-def group_of(rollout_id: str) -> str:
-    return rollout_id.rsplit("-", 1)[0]
 
 
 class EnvProducer:
@@ -49,8 +44,8 @@ class EnvProducer:
         self.env: Environment = make_environment(
             settings.env_kind, make_tokenizer(part.model.tokenizer), **settings.params
         )
-        self.prefix = f"{settings.name}.{settings.tenant}."
-        self.tasks: dict[str, dict[str, Any]] = {}  # task_id -> info (for scoring)
+        self.prefix = ids.task_prefix(settings.name, settings.tenant)
+        self.tasks: dict[str, ev.TaskSubmitted] = {}  # what a generation answers (for scoring)
         self.submitted = 0
         self.resolved: set[str] = set()  # group ids trained or withheld
         self.trainer_version = 0
@@ -78,9 +73,9 @@ class EnvProducer:
         async for item in self.bus.tail(self.run_id, filter_subject=subj, to_head=True):
             b = item.event.body if item.event else None
             if isinstance(b, ev.TaskSubmitted):
-                self.tasks[b.task_id] = b.info
+                self.tasks[b.task_id] = b
                 if b.turn == 0:  # later turns belong to a group already counted
-                    self.submitted = max(self.submitted, int(b.task_id.rsplit(".", 1)[1]) + 1)
+                    self.submitted = max(self.submitted, int(ids.task_number(b.task_id)) + 1)
 
     async def watch_steps(self) -> None:
         async for item in self.bus.tail(self.run_id, filter_subject=subjects.step_subject(self.run_id)):
@@ -88,7 +83,7 @@ class EnvProducer:
             if isinstance(b, ev.StepCompleted):
                 self.trainer_version = max(self.trainer_version, b.policy_version)
                 for rid in b.rollout_ids:
-                    g = group_of(rid)
+                    g = ids.group_of(rid)
                     if g.startswith(self.prefix):
                         self.resolved.add(g)
                 self.changed.set()
@@ -109,7 +104,7 @@ class EnvProducer:
             while self.outstanding < self.window and not stop.is_set():
                 task = self.env.make_task(rng)
                 await self.hand_out(
-                    f"{self.prefix}{self.submitted}",
+                    ids.task_id(self.s.name, self.s.tenant, self.submitted),
                     group_size=self.s.group_size,
                     prompt_tokens=task.prompt_tokens,
                     prompt_text=task.prompt_text,
@@ -123,8 +118,8 @@ class EnvProducer:
 
     async def hand_out(self, task_id: str, *, cause: ev.Event | None = None, **fields: Any) -> None:
         """Publish one model turn as a TaskSubmitted (its id derived from the task's, so a
-        restarted producer that hands it out again is deduplicated) and keep its info to score
-        the answers."""
+        restarted producer that hands it out again is deduplicated) and keep it to score the
+        answers."""
         body = ev.TaskSubmitted(
             task_id=task_id,
             env=self.s.name,
@@ -132,14 +127,14 @@ class EnvProducer:
             temperature=self.s.temperature,
             **fields,
         )
-        self.tasks[task_id] = body.info
+        self.tasks[task_id] = body
         await self.bus.publish(
             ev.new_event(
                 body,
                 run_id=self.run_id,
                 tenant=cause.tenant if cause else self.s.tenant,
                 causation_id=cause.event_id if cause else None,
-                event_id=ev.derived_id(self.run_id, f"task/{task_id}"),
+                event_id=ids.task_event_id(self.run_id, task_id),
             )
         )
 
@@ -154,8 +149,8 @@ class EnvProducer:
         g = d.event.body
         if not isinstance(g, ev.GenerationCompleted):
             raise Reject(f"scorer expects GenerationCompleted, got {d.event.type}", reason="invalid")
-        info = self.tasks.get(g.task_id)
-        if info is None:
+        task = self.tasks.get(g.task_id)
+        if task is None:
             raise Reject(f"generation for unknown task {g.task_id!r}", reason="invalid")
         assert self.payloads is not None
         completion = (await self.payloads.get_array(g.completion_tokens)).astype(np.int64).tolist()
@@ -163,12 +158,11 @@ class EnvProducer:
         if delay:
             async with d.keep_alive(every=10.0):
                 await asyncio.sleep(delay)
-        result = await self.env.areact(info, g.turn, completion)
-        episode = info.get(EPISODE_KEY)
+        result = await self.env.areact(task.info, g.turn, completion)
         if isinstance(result, FollowUp):
-            await self.next_turn(d, g, info, episode, completion, result)
+            await self.next_turn(d, g, task, completion, result)
             return
-        if episode is None:
+        if task.episode is None:
             body = ev.RolloutScored(
                 rollout_id=g.generation_id,
                 generation_event_id=d.event.event_id,
@@ -187,14 +181,14 @@ class EnvProducer:
                 policy_version_end=g.policy_version_end,
             )
         else:
-            body = await self.episode_rollout(d, g, episode, completion, result)
+            body = await self.episode_rollout(d, g, task.episode, completion, result)
         await self.bus.publish(
             ev.new_event(
                 body,
                 run_id=self.run_id,
                 tenant=d.event.tenant,
                 causation_id=d.event.event_id,
-                event_id=ev.derived_id(self.run_id, f"scored/{d.event.event_id}"),
+                event_id=ids.scored_event_id(self.run_id, d.event.event_id),
             )
         )
         self.scored += 1
@@ -203,44 +197,46 @@ class EnvProducer:
         self,
         d: Delivery,
         g: ev.GenerationCompleted,
-        info: dict[str, Any],
-        episode: dict[str, Any] | None,
+        task: ev.TaskSubmitted,
         completion: list[int],
         reply: FollowUp,
     ) -> None:
-        """The environment's turn: the episode so far rides in the next task's info (so a
-        restarted producer finds it in the log), and the next model turn is handed out."""
+        """The environment's turn: the episode so far rides in the next task (so a restarted
+        producer finds it in the log), and the next model turn is handed out. Token in, token
+        out: the next prompt is this one's tokens plus the completion and the reply's tokens."""
         assert self.payloads is not None
+        episode = task.episode
         if episode is None:
-            episode = {
-                "group_id": g.group_id,
-                "sample_index": g.sample_index,
-                "group_size": g.group_size,
-                "task_id": g.task_id,
-                "prompt": (await self.payloads.get_array(g.prompt_tokens)).astype(np.int64).tolist(),
-                "completion": [],
-                "mask": [],
-                "logprobs": [],
-                "version_start": g.policy_version_start,
-                "max_tokens": int(info.get("max_tokens", 0)),
-            }
+            episode = ev.EpisodeState(
+                group_id=g.group_id,
+                sample_index=g.sample_index,
+                group_size=g.group_size,
+                task_id=g.task_id,
+                prompt=(await self.payloads.get_array(g.prompt_tokens)).astype(np.int64).tolist(),
+                completion=[],
+                mask=[],
+                logprobs=[],
+                version_start=g.policy_version_start,
+                max_tokens=int(task.info.get("max_tokens", 0)),
+            )
         logprobs = (await self.payloads.get_array(g.logprobs)).astype(np.float64).tolist()
         follow = self.env.tok.encode(reply.text, bos=False)
-        episode = {
-            **episode,
-            "completion": [*episode["completion"], *completion, *follow],
-            "mask": [*episode["mask"], *([1] * len(completion)), *([0] * len(follow))],
-            "logprobs": [*episode["logprobs"], *logprobs, *([0.0] * len(follow))],
-            "version_start": min(int(episode["version_start"]), g.policy_version_start),
-        }
+        episode = msgspec.structs.replace(
+            episode,
+            completion=[*episode.completion, *completion, *follow],
+            mask=[*episode.mask, *([1] * len(completion)), *([0] * len(follow))],
+            logprobs=[*episode.logprobs, *logprobs, *([0.0] * len(follow))],
+            version_start=min(episode.version_start, g.policy_version_start),
+        )
         await self.hand_out(
-            f"{g.generation_id}.t{g.turn + 1}",
+            ids.turn_task_id(g.generation_id, g.turn + 1),
             group_size=1,
-            prompt_tokens=[*episode["prompt"], *episode["completion"]],
+            prompt_tokens=[*episode.prompt, *episode.completion],
             prompt_text=reply.text,
-            max_tokens=episode["max_tokens"] or 8,
-            info={**info, **reply.info, EPISODE_KEY: episode},
-            episode_id=episode["task_id"],
+            max_tokens=episode.max_tokens or 8,
+            info={**task.info, **reply.info},
+            episode=episode,
+            episode_id=episode.task_id,
             turn=g.turn + 1,
             cause=d.event,
         )
@@ -249,7 +245,7 @@ class EnvProducer:
         self,
         d: Delivery,
         g: ev.GenerationCompleted,
-        episode: dict[str, Any],
+        episode: ev.EpisodeState,
         completion: list[int],
         score: Score,
     ) -> ev.RolloutScored:
@@ -257,30 +253,30 @@ class EnvProducer:
         keeps the environment's text out of the loss."""
         assert self.payloads is not None
         logprobs = (await self.payloads.get_array(g.logprobs)).astype(np.float32).tolist()
-        tokens = [*episode["completion"], *completion]
-        mask = [*episode["mask"], *([1] * len(completion))]
-        lps = [*episode["logprobs"], *logprobs]
-        rid = f"{episode['group_id']}-{episode['sample_index']}"
-        name = ev.derived_id(self.run_id, f"episode/{rid}")
+        tokens = [*episode.completion, *completion]
+        mask = [*episode.mask, *([1] * len(completion))]
+        lps = [*episode.logprobs, *logprobs]
+        rid = ids.rollout_id(episode.group_id, episode.sample_index)
+        name = ids.episode_payload_id(self.run_id, rid)
         return ev.RolloutScored(
             rollout_id=rid,
             generation_event_id=d.event.event_id,
-            task_id=episode["task_id"],
+            task_id=episode.task_id,
             env=g.env,
-            group_id=episode["group_id"],
-            sample_index=int(episode["sample_index"]),
-            group_size=int(episode["group_size"]),
+            group_id=episode.group_id,
+            sample_index=episode.sample_index,
+            group_size=episode.group_size,
             reward=float(score.reward),
             reward_parts=score.parts,
             prompt_tokens=await self.payloads.put_array(
-                f"prompt-{name}", np.asarray(episode["prompt"], np.int32)
+                f"prompt-{name}", np.asarray(episode.prompt, np.int32)
             ),
             completion_tokens=await self.payloads.put_array(f"tokens-{name}", np.asarray(tokens, np.int32)),
             logprobs=await self.payloads.put_array(f"logprobs-{name}", np.asarray(lps, np.float32)),
             completion_mask=await self.payloads.put_array(f"mask-{name}", np.asarray(mask, np.uint8)),
             # The last turn's trace covers the whole conversation (its prompt is the history).
             routing_trace=g.routing_trace,
-            policy_version_start=int(episode["version_start"]),
+            policy_version_start=episode.version_start,
             policy_version_end=g.policy_version_end,
             turns=g.turn + 1,
         )

@@ -152,6 +152,10 @@ async def test_multi_turn_episodes_train_as_one_masked_rollout(
         assert t.group_size == 1 and t.prompt_text.startswith("+") and t.prompt_text.endswith("=")
         origin = next(f for f in first if f.task_id == t.episode_id)
         assert t.prompt_tokens[: len(origin.prompt_tokens)] == origin.prompt_tokens
+        # The episode so far rides typed in the task: the prompt is its history, token for token.
+        assert first[0].episode is None and t.episode is not None and "_episode" not in t.info
+        assert t.prompt_tokens == [*t.episode.prompt, *t.episode.completion]
+        assert len(t.episode.mask) == len(t.episode.completion) == len(t.episode.logprobs)
     scored = [e.body for e in log if isinstance(e.body, ev.RolloutScored)]
     assert scored and all(r.turns == 2 and r.completion_mask is not None for r in scored)
     # The environment's reply is in the completion but masked out; logprobs are 0 there.
