@@ -16,7 +16,7 @@ import struct
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import sqlalchemy as sa
 
@@ -103,7 +103,8 @@ def synthetic_run(
 
     def heartbeat(wid: str) -> None:
         kind = "trainer" if wid == "trainer-0" else "inference"
-        status = rng.choice(("ready", "busy", "busy"))
+        statuses: tuple[Literal["ready", "busy"], ...] = ("ready", "busy", "busy")
+        status = rng.choice(statuses)
         version = None if kind == "trainer" else loaded[wid]
         emit(
             ev.WorkerHeartbeat(
@@ -213,8 +214,9 @@ def synthetic_run(
                 truth.rewards[rid] = reward
                 truth.rollout_scope[rid] = (tenant, env)
                 stale = step - pv_start
-                if stale > max_off_policy_steps or rng.random() < 0.02:
-                    reason = "stale" if stale > max_off_policy_steps else "invalid"
+                too_stale = stale > max_off_policy_steps
+                if too_stale or rng.random() < 0.02:
+                    reason: Literal["stale", "invalid"] = "stale" if too_stale else "invalid"
                     emit(
                         ev.RolloutWithheld(
                             rollout_id=rid,
