@@ -5,10 +5,13 @@
 * :class:`Publisher` pipelines publishes with a bounded number in flight and surfaces every
   failure: an event whose ack never came is re-sent (deduplicated by the server), and one that
   still fails is raised from :meth:`Publisher.flush`.
-* :class:`PullConsumer` is a durable pull consumer with explicit acks. Messages that cannot be
-  decoded, that a handler rejects, that carry a spoofed tenant, or that failed ``max_deliver``
-  times are published to the run's dead-letter subject with the reason and the original
-  sequence and bytes, and only then acked: never dropped in silence.
+* :class:`PullConsumer` is a durable pull consumer with explicit acks, typed by the event body
+  it takes. Messages that cannot be decoded, that carry another body type, that a handler
+  rejects, that carry a spoofed tenant, or that failed ``max_deliver`` times are published to
+  the run's dead-letter subject with the reason and the original sequence and bytes, and only
+  then acked: never dropped in silence. :meth:`PullConsumer.run_batches` is the one consumer
+  loop (fetch, hand a batch over, settle its failures); :meth:`PullConsumer.run` handles one
+  event at a time on top of it.
 * :meth:`Bus.tail` reads a run's log in order from any point (an ordered consumer).
 """
 
@@ -20,6 +23,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar, cast, overload
 
 import nats
 import nats.errors
@@ -34,6 +38,8 @@ from jetrl.bus.log import get_logger
 from jetrl.bus.streams import StreamLimits, ensure_payload_bucket, ensure_run_stream, stream_name
 
 log = get_logger(__name__)
+
+B = TypeVar("B", bound=ev.EventBody)  # the event body a consumer takes
 
 
 class BusError(RuntimeError):
@@ -188,8 +194,16 @@ class Bus:
 
     # ------------------------------------------------------------------ consume
 
-    async def consumer(self, spec: ConsumerSpec) -> PullConsumer:
-        """Create or bind a durable pull consumer on the run's stream."""
+    @overload
+    async def consumer(self, spec: ConsumerSpec) -> PullConsumer[ev.EventBody]: ...
+    @overload
+    async def consumer(self, spec: ConsumerSpec, body: type[B]) -> PullConsumer[B]: ...
+    async def consumer(
+        self, spec: ConsumerSpec, body: type[ev.EventBody] = ev.EventBody
+    ) -> PullConsumer[Any]:
+        """Create or bind a durable pull consumer on the run's stream that delivers events whose
+        body is a ``body`` (any event by default); others are dead-lettered as invalid, but for
+        the types ``spec.skip_types`` names, which are acked and passed over."""
         stream = stream_name(spec.run_id)
         cfg = api.ConsumerConfig(
             durable_name=spec.durable,
@@ -214,7 +228,7 @@ class Bus:
             cfg.opt_start_seq = None
             await self.js.add_consumer(stream, config=cfg)
         sub = await self.js.pull_subscribe_bind(durable=spec.durable, stream=stream)
-        return PullConsumer(self, spec, sub)
+        return PullConsumer(self, spec, sub, body)
 
     async def tail(
         self,
@@ -444,11 +458,14 @@ class ConsumerSpec:
     start_seq: int | None = None
     # ALL: one ack settles every message before it too (a consumer that acks whole batches).
     ack_policy: api.AckPolicy = api.AckPolicy.EXPLICIT
+    # Event types on the filtered subjects that this consumer acks and passes over (its own
+    # output, say), rather than dead-letter as not its body type.
+    skip_types: tuple[str, ...] = ()
 
 
 @dataclass
-class Delivery:
-    """One delivered event and the handle to settle it."""
+class Delivery(Generic[B]):
+    """One delivered event, whose body is a ``B``, and the handle to settle it."""
 
     event: ev.Event
     seq: int
@@ -456,6 +473,10 @@ class Delivery:
     num_delivered: int
     msg: Msg
     settled: bool = field(default=False, repr=False)
+
+    @property
+    def body(self) -> B:
+        return cast(B, self.event.body)  # checked against the consumer's body type on admission
 
     async def ack(self) -> None:
         if not self.settled:
@@ -477,8 +498,20 @@ class Delivery:
         return keep_alive([self], every)
 
 
+@dataclass
+class Batch(Generic[B]):
+    """What one fetch brought: the deliveries to handle, and the stream sequences of the
+    messages it dead-lettered on admission (a consumer that tracks its position moves past them)."""
+
+    deliveries: list[Delivery[B]]
+    dead_lettered: list[int] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.deliveries or self.dead_lettered)
+
+
 @contextlib.asynccontextmanager
-async def keep_alive(deliveries: Sequence[Delivery], every: float) -> AsyncIterator[None]:
+async def keep_alive(deliveries: Sequence[Delivery[ev.EventBody]], every: float) -> AsyncIterator[None]:
     """In-progress acks for several deliveries (e.g. a batch being generated) while work runs."""
 
     async def beat() -> None:
@@ -497,7 +530,8 @@ async def keep_alive(deliveries: Sequence[Delivery], every: float) -> AsyncItera
             await task
 
 
-Handler = Callable[[ev.Event, Delivery], Awaitable[None]]
+Handler = Callable[[Delivery[B]], Awaitable[None]]
+BatchHandler = Callable[[Batch[B]], Awaitable[None]]
 
 
 def _ack_position(msg: Msg) -> tuple[int, int]:
@@ -532,32 +566,36 @@ def spoofed(run_id: str, subject: str, event: ev.Event) -> str | None:
     return None
 
 
-class PullConsumer:
-    def __init__(self, bus: Bus, spec: ConsumerSpec, sub: JetStreamContext.PullSubscription) -> None:
+class PullConsumer(Generic[B]):
+    def __init__(
+        self, bus: Bus, spec: ConsumerSpec, sub: JetStreamContext.PullSubscription, body: type[B]
+    ) -> None:
         self.bus = bus
         self.spec = spec
         self.sub = sub
+        self.body = body
         self.stats = ConsumerStats()
         self.log = log.bind(run_id=spec.run_id, consumer=spec.durable)
-        # Called with the stream sequence of each message once its dead letter is stored and
-        # the message acked (the recorder moves its tracking row past it).
-        self.on_dead_letter: Callable[[int], None] | None = None
 
-    async def fetch(self, batch: int = 64, timeout: float = 1.0) -> list[Delivery]:
-        """Fetch up to ``batch`` events. Poison messages (undecodable, spoofed, delivered too
-        often) are dead-lettered and acked here and never returned. Returns [] on timeout and
-        while the connection is down (the caller just loops)."""
+    async def fetch(self, batch: int = 64, timeout: float = 1.0) -> list[Delivery[B]]:
+        """Fetch up to ``batch`` events; see :meth:`fetch_batch`."""
+        return (await self.fetch_batch(batch, timeout)).deliveries
+
+    async def fetch_batch(self, batch: int = 64, timeout: float = 1.0) -> Batch[B]:
+        """Fetch up to ``batch`` events. Poison messages (undecodable, spoofed, of another body
+        type, delivered too often) are dead-lettered and acked here and never delivered. Empty
+        on timeout and while the connection is down (the caller just loops)."""
+        out: Batch[B] = Batch([])
         try:
             msgs = await self._pull(batch, timeout)
         except _RETRYABLE as exc:
             self.log.warning("fetch_retry", error=repr(exc))
             await asyncio.sleep(0.2)
-            return []
-        out: list[Delivery] = []
+            return out
         for msg in msgs:
-            d = await self._admit(msg)
+            d = await self._admit(msg, out.dead_lettered)
             if d is not None:
-                out.append(d)
+                out.deliveries.append(d)
         return out
 
     async def _pull(self, batch: int, timeout: float) -> list[Msg]:
@@ -578,31 +616,40 @@ class PullConsumer:
             rest = []
         return first + rest
 
-    async def _admit(self, msg: Msg) -> Delivery | None:
+    async def _admit(self, msg: Msg, dead_lettered: list[int]) -> Delivery[B] | None:
         seq, n = _ack_position(msg)
         self.stats.delivered += 1
         try:
             event = ev.decode_event(msg.data, msg.headers)
         except ev.EventDecodeError as exc:
-            await self._dead_letter_msg(msg, exc.reason, str(exc))
+            dead_lettered.append(await self._dead_letter_msg(msg, exc.reason, str(exc)))
             return None
         if spoof := spoofed(self.spec.run_id, msg.subject, event):
-            await self._dead_letter_msg(msg, "spoofed", spoof, event)
+            dead_lettered.append(await self._dead_letter_msg(msg, "spoofed", spoof, event))
+            return None
+        if not isinstance(event.body, self.body):
+            if event.type in self.spec.skip_types:
+                await msg.ack()
+                return None
+            detail = f"{self.spec.durable} takes {self.body.__name__} events, got {event.type}"
+            dead_lettered.append(await self._dead_letter_msg(msg, "invalid", detail, event))
             return None
         if n > self.spec.max_deliver:
             # Delivered more often than allowed without being settled (e.g. it crashes its
             # handler's process every time): park it instead of looping forever.
-            await self._dead_letter_msg(msg, "max_deliver", f"delivered {n} times without success", event)
+            detail = f"delivered {n} times without success"
+            dead_lettered.append(await self._dead_letter_msg(msg, "max_deliver", detail, event))
             return None
         return Delivery(event=event, seq=seq, subject=msg.subject, num_delivered=n, msg=msg)
 
-    async def dead_letter(self, d: Delivery, reason: str, detail: str) -> None:
+    async def dead_letter(self, d: Delivery[B], reason: str, detail: str) -> None:
         await self._dead_letter_msg(d.msg, reason, detail, d.event)
         d.settled = True
 
     async def _dead_letter_msg(
         self, msg: Msg, reason: str, detail: str, event: ev.Event | None = None
-    ) -> None:
+    ) -> int:
+        """Publish the message's dead letter, then ack it; returns its stream sequence."""
         meta = msg.metadata
         seq = meta.sequence.stream
         headers = dict(msg.headers or {})
@@ -632,10 +679,9 @@ class PullConsumer:
         self.stats.dead_lettered += 1
         self.stats.by_reason[reason] = self.stats.by_reason.get(reason, 0) + 1
         self.log.warning("dead_lettered", seq=seq, reason=reason, detail=detail[:300], subject=msg.subject)
-        if self.on_dead_letter is not None:
-            self.on_dead_letter(seq)
+        return int(seq)
 
-    async def settle_failure(self, d: Delivery, exc: BaseException) -> None:
+    async def settle_failure(self, d: Delivery[B], exc: BaseException) -> None:
         """After a handler error: retry later with backoff, or dead-letter once exhausted."""
         if isinstance(exc, Reject):
             await self.dead_letter(d, exc.reason, exc.detail)
@@ -651,9 +697,55 @@ class PullConsumer:
         )
         await d.nak(delay=delay)
 
+    async def run_batches(
+        self,
+        handler: BatchHandler[B],
+        *,
+        batch: int = 64,
+        fetch_timeout: float = 1.0,
+        stop: asyncio.Event | None = None,
+        after: Callable[[], Awaitable[bool]] | None = None,
+        prefetch: bool = False,
+        settle_failures: bool = True,
+    ) -> None:
+        """The consumer loop: fetch up to ``batch`` events, hand them to ``handler``, then call
+        ``after`` (with or without events: periodic work; it returns True to end the loop),
+        until ``stop`` is set.
+
+        A handler settles what it is done with and may keep deliveries for later batches (the
+        trainer holds partial groups). When it raises, the batch's unsettled deliveries are
+        retried with backoff or dead-lettered (:meth:`settle_failure`); with ``settle_failures``
+        off the error propagates instead, for consumers whose position must never pass an
+        event they failed on. ``prefetch`` fetches the next batch while the handler runs."""
+        stop = stop or asyncio.Event()
+        pending: asyncio.Task[Batch[B]] | None = None
+        try:
+            while not stop.is_set():
+                got = await (pending or self.fetch_batch(batch, fetch_timeout))
+                pending = None
+                if got and prefetch and not stop.is_set():
+                    pending = asyncio.create_task(self.fetch_batch(batch, fetch_timeout))
+                if got:
+                    try:
+                        await handler(got)
+                    except Exception as exc:
+                        if not settle_failures:
+                            raise
+                        self.log.exception("batch_failed", events=len(got.deliveries))
+                        for d in got.deliveries:
+                            if not d.settled:
+                                await self.settle_failure(d, exc)
+                if after is not None and await after():
+                    return
+        finally:
+            if pending is not None:
+                pending.cancel()
+                with contextlib.suppress(BaseException):
+                    await pending
+
     async def run(
         self,
-        handler: Handler,
+        handler: Handler[B],
         *,
         batch: int = 32,
         fetch_timeout: float = 1.0,
@@ -661,17 +753,16 @@ class PullConsumer:
         concurrency: int = 1,
         drain_s: float = 10.0,
     ) -> None:
-        """Handle events until ``stop`` is set, up to ``concurrency`` at once (one at a time, in
-        order, by default). A handler acks implicitly by returning (or explicitly via the
-        delivery), raises :class:`Reject` to dead-letter, or raises anything else to be retried
-        with backoff. On stop, handlers still running get ``drain_s`` seconds to finish."""
-        stop = stop or asyncio.Event()
+        """Handle events one by one until ``stop`` is set, up to ``concurrency`` at once (one at
+        a time, in order, by default). A handler acks implicitly by returning (or explicitly via
+        the delivery), raises :class:`Reject` to dead-letter, or raises anything else to be
+        retried with backoff. On stop, handlers still running get ``drain_s`` seconds to finish."""
         slots = asyncio.Semaphore(concurrency)
         inflight: set[asyncio.Task[None]] = set()
 
-        async def one(d: Delivery) -> None:
+        async def one(d: Delivery[B]) -> None:
             try:
-                await handler(d.event, d)
+                await handler(d)
             except Exception as exc:
                 await self.settle_failure(d, exc)
             else:
@@ -680,8 +771,8 @@ class PullConsumer:
             finally:
                 slots.release()
 
-        while not stop.is_set():
-            for d in await self.fetch(batch, timeout=fetch_timeout):
+        async def each(got: Batch[B]) -> None:
+            for d in got.deliveries:
                 await slots.acquire()
                 if concurrency == 1:
                     await one(d)  # no task per message on the sequential path
@@ -689,6 +780,8 @@ class PullConsumer:
                 t = asyncio.create_task(one(d))
                 inflight.add(t)
                 t.add_done_callback(inflight.discard)
+
+        await self.run_batches(each, batch=batch, fetch_timeout=fetch_timeout, stop=stop)
         if inflight:
             await asyncio.wait(inflight, timeout=drain_s)
 

@@ -124,6 +124,11 @@ class RunFinished(EventBody):
     reason: str = ""
 
 
+# Why a scored rollout was not trained: too stale for max_off_policy_steps, refused, part of a
+# group that never completed, or still waiting when the run ended.
+WithheldReason = Literal["stale", "invalid", "incomplete_group", "run_finished"]
+
+
 class EpisodeState(msgspec.Struct, frozen=True, kw_only=True):
     """A multi-turn episode so far, carried by the task of its next model turn so that a
     restarted producer finds it in the log. ``completion`` holds every turn after the first
@@ -229,7 +234,7 @@ class RolloutWithheld(EventBody):
     rollout_id: str
     group_id: str
     env: str
-    reason: Literal["stale", "invalid", "incomplete_group"]
+    reason: WithheldReason
     trainer_step: int
     policy_version: int
     staleness: int = 0

@@ -101,18 +101,18 @@ async def play(url: str, run_id: str, groups: int, group_size: int, seq_len: int
     consumer = await bus.consumer(
         ConsumerSpec(
             run_id=run_id, durable="demo-trainer", filter_subjects=[subjects.rollout_subject(run_id)]
-        )
+        ),
+        ev.RolloutScored,
     )
     seen: Counter[str] = Counter()
     verified_bytes = 0
 
-    async def handle(event: ev.Event, d: Delivery) -> None:
+    async def handle(d: Delivery[ev.RolloutScored]) -> None:
         nonlocal verified_bytes
-        body = event.body
-        assert isinstance(body, ev.RolloutScored)
-        trace = await payloads.get_array(body.routing_trace)  # type: ignore[arg-type]  # hash-checked
+        assert d.body.routing_trace is not None
+        trace = await payloads.get_array(d.body.routing_trace)  # hash-checked
         verified_bytes += trace.nbytes
-        seen[event.tenant] += 1
+        seen[d.event.tenant] += 1
 
     stop = asyncio.Event()
     t1 = time.perf_counter()

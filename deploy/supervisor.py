@@ -32,6 +32,7 @@ from jetrl.bus import ids, subjects
 from jetrl.bus.client import Bus
 from jetrl.bus.log import get_logger
 from jetrl.bus.server import EmbeddedServer
+from jetrl.consumers.recorder.settings import RecorderPart
 from jetrl.deploy.config import RunConfig, library_versions
 from jetrl.deploy.report import RunReport
 from jetrl.store import queries
@@ -134,7 +135,8 @@ class Supervisor:
             )
         )
         if self.cfg.store.recorder:
-            parts.append(Part("recorder", argv("jetrl.consumers.recorder", "--db", self.db_url)))
+            rec = self._settings_file("recorder", RecorderPart(db=self.db_url))
+            parts.append(Part("recorder", argv("jetrl.consumers.recorder", "--settings", rec)))
         return parts
 
     def start(self, part: Part) -> None:

@@ -145,10 +145,8 @@ class EnvProducer:
             return 0.0
         return self.latency_rng.lognormvariate(math.log(self.s.latency_median_s), self.s.latency_sigma)
 
-    async def score(self, d: Delivery) -> None:
-        g = d.event.body
-        if not isinstance(g, ev.GenerationCompleted):
-            raise Reject(f"scorer expects GenerationCompleted, got {d.event.type}", reason="invalid")
+    async def score(self, d: Delivery[ev.GenerationCompleted]) -> None:
+        g = d.body
         task = self.tasks.get(g.task_id)
         if task is None:
             raise Reject(f"generation for unknown task {g.task_id!r}", reason="invalid")
@@ -290,10 +288,11 @@ class EnvProducer:
                 ack_wait=self.s.ack_wait_s,
                 max_deliver=5,
                 max_ack_pending=100_000,
-            )
+            ),
+            ev.GenerationCompleted,
         )
         await consumer.run(
-            lambda event, d: self.score(d),
+            self.score,
             batch=128,
             fetch_timeout=0.3,
             stop=stop,

@@ -8,7 +8,7 @@ import pytest
 
 from jetrl.bus import events as ev
 from jetrl.bus import subjects
-from jetrl.bus.client import Bus, ConsumerSpec, Delivery, PublishError, Reject
+from jetrl.bus.client import Batch, Bus, ConsumerSpec, Delivery, PublishError, Reject
 from jetrl.bus.server import EmbeddedServer
 from tests.catalog_samples import sample_bodies
 
@@ -135,8 +135,8 @@ async def test_poison_messages_are_dead_lettered_and_consumer_goes_on(bus: Bus, 
     handled: list[str] = []
     attempts: dict[str, int] = {}
 
-    async def handler(event: ev.Event, d: Delivery) -> None:
-        rid = event.body.rollout_id  # type: ignore[attr-defined]
+    async def handler(d: Delivery[ev.RolloutWithheld]) -> None:
+        rid = d.body.rollout_id
         attempts[rid] = attempts.get(rid, 0) + 1
         if rid == "r1":
             raise Reject("reward is NaN", reason="invalid")
@@ -151,7 +151,7 @@ async def test_poison_messages_are_dead_lettered_and_consumer_goes_on(bus: Bus, 
         max_deliver=3,
         backoff=(0.1,),
     )
-    c = await bus.consumer(spec)
+    c = await bus.consumer(spec, ev.RolloutWithheld)
     stop = asyncio.Event()
     task = asyncio.create_task(c.run(handler, batch=8, fetch_timeout=0.3, stop=stop))
     for _ in range(100):
@@ -209,7 +209,7 @@ async def test_run_handles_up_to_concurrency_events_at_once(bus: Bus, run_id: st
         )
     running, all_in = 0, asyncio.Event()
 
-    async def handler(event: ev.Event, d: Delivery) -> None:
+    async def handler(d: Delivery[ev.EventBody]) -> None:
         nonlocal running
         running += 1
         if running == 4:
@@ -276,3 +276,37 @@ async def test_tail_to_head_ends_where_the_log_ends(bus: Bus, run_id: str) -> No
     assert await read(filter_subject=subjects.step_subject(run_id), from_seq=8) == [9, 11]
     assert await read(filter_subject=subjects.weights_subject(run_id)) == []
     assert await read(from_seq=13) == []
+
+
+async def test_a_consumer_takes_its_body_type_and_passes_over_skipped_types(bus: Bus, run_id: str) -> None:
+    """Typed by body: another type on its subjects is dead-lettered as invalid, a type it skips
+    (its own output) is acked without a dead letter, and neither reaches the handler."""
+    step = ev.new_event(ev.StepCompleted(step=0, policy_version=1, rollout_ids=[]), run_id=run_id)
+    fin = ev.new_event(ev.RunFinished(status="completed", steps=1), run_id=run_id)
+    policy = ev.new_event(
+        ev.PolicyVersionPublished(version=1, step=1, weights_checksum="0" * 64), run_id=run_id
+    )
+    for e in (step, fin, policy):
+        await bus.publish(e)
+    spec = ConsumerSpec(
+        run_id=run_id,
+        durable="steps-only",
+        filter_subjects=[subjects.all_subjects(run_id)],
+        skip_types=("RunFinished",),
+    )
+    c = await bus.consumer(spec, ev.StepCompleted)
+    got: list[ev.StepCompleted] = []
+
+    async def keep(batch: Batch[ev.StepCompleted]) -> None:
+        for d in batch.deliveries:
+            got.append(d.body)
+            await d.ack()
+
+    async def until_three() -> bool:
+        return c.stats.delivered >= 3
+
+    await asyncio.wait_for(c.run_batches(keep, batch=8, fetch_timeout=0.3, after=until_three), timeout=20)
+    assert got == [step.body]
+    assert c.stats.dead_lettered == 1 and c.stats.by_reason == {"invalid": 1}
+    dead = [i.event.body for i in await bus.read_log(run_id) if i.event and i.event.type == "DeadLettered"]
+    assert [d.original_type for d in dead] == ["PolicyVersionPublished"]  # type: ignore[union-attr]

@@ -5,6 +5,7 @@ SIGTERM stops it cleanly after the batch in progress."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import re
@@ -39,11 +40,11 @@ def start_recorder(
         nats.url,
         "--run",
         run_id,
-        "--db",
-        db_url,
+        "--settings",
+        json.dumps({"db": db_url, "batch": batch}),
     ]
     with log.open("ab") as f:
-        return subprocess.Popen([*cmd, "--batch", str(batch)], stdout=f, stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
 
 
 def tail_of(log: Path, n: int = 3000) -> str:

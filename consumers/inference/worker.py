@@ -23,7 +23,7 @@ import structlog
 
 from jetrl.bus import events as ev
 from jetrl.bus import ids, subjects
-from jetrl.bus.client import Bus, ConsumerSpec, Delivery, keep_alive
+from jetrl.bus.client import Batch, Bus, ConsumerSpec, Delivery, keep_alive
 from jetrl.bus.log import get_logger
 from jetrl.bus.payloads import ObjectStorePayloads, Payloads, weight_stores
 from jetrl.consumers.inference.engine import GenerationEngine, GroupRequest, Sample, make_generation_engine
@@ -82,7 +82,9 @@ class InferenceWorker:
         )
         self.log.info("weights_loaded", version=ready.version, load_s=round(load_s, 3))
 
-    async def wait_for_version(self, version: int, deliveries: list[Delivery], stop: asyncio.Event) -> bool:
+    async def wait_for_version(
+        self, version: int, deliveries: list[Delivery[ev.TaskSubmitted]], stop: asyncio.Event
+    ) -> bool:
         """Block until weights >= ``version`` are loaded, keeping the tasks' leases alive."""
         async with keep_alive(deliveries, self.s.ack_wait_s / 3):
             while self.loaded_version is None or self.loaded_version < version:
@@ -98,9 +100,9 @@ class InferenceWorker:
 
     # ---------------------------------------------------------------- generation
 
-    async def handle_batch(self, deliveries: list[Delivery], stop: asyncio.Event) -> None:
-        tasks = [(d, d.event.body) for d in deliveries]
-        need = max(t.min_policy_version for _, t in tasks)  # type: ignore[attr-defined]
+    async def handle_batch(self, deliveries: list[Delivery[ev.TaskSubmitted]], stop: asyncio.Event) -> None:
+        tasks = [(d, d.body) for d in deliveries]
+        need = max(t.min_policy_version for _, t in tasks)
         t_wait = time.perf_counter()
         if not await self.wait_for_version(need, deliveries, stop):
             for d in deliveries:
@@ -109,6 +111,18 @@ class InferenceWorker:
         await self.load_latest()  # between batches, take anything newer
         load_wait = time.perf_counter() - t_wait
         version = self.loaded_version or 0
+        self.busy = True
+        try:
+            await self._generate_and_publish(tasks, version, load_wait)
+        finally:
+            self.busy = False
+        for d in deliveries:
+            await d.ack()
+
+    async def _generate_and_publish(
+        self, tasks: list[tuple[Delivery[ev.TaskSubmitted], ev.TaskSubmitted]], version: int, load_wait: float
+    ) -> None:
+        assert self.payloads is not None
         requests = [
             GroupRequest(
                 prompt_tokens=t.prompt_tokens,
@@ -120,10 +134,8 @@ class InferenceWorker:
             )
             for _, t in tasks
         ]
-        assert self.payloads is not None
-        self.busy = True
         t0 = time.perf_counter()
-        async with keep_alive(deliveries, self.s.ack_wait_s / 3):
+        async with keep_alive([d for d, _ in tasks], self.s.ack_wait_s / 3):
             groups = await self.engine.generate(requests)
         gen_s = time.perf_counter() - t0
         self.stats["generate_s"] += gen_s
@@ -142,9 +154,6 @@ class InferenceWorker:
                 self.stats["tokens"] += len(g.completion_tokens)
             self.stats["tasks"] += 1
         await pub.flush()
-        self.busy = False
-        for d in deliveries:
-            await d.ack()
 
     async def _completion_event(
         self,
@@ -214,7 +223,8 @@ class InferenceWorker:
                 ack_wait=self.s.ack_wait_s,
                 max_deliver=5,
                 max_ack_pending=4096,
-            )
+            ),
+            ev.TaskSubmitted,
         )
         structlog.contextvars.bind_contextvars(run_id=self.run_id, worker_id=self.worker_id)
         watcher = asyncio.create_task(self.watch_weights(stop))
@@ -222,27 +232,27 @@ class InferenceWorker:
         self.log.info(
             "inference_worker_started", precision=self.s.precision, pid=os.getpid(), host=socket.gethostname()
         )
+
+        async def generate(got: Batch[ev.TaskSubmitted]) -> None:
+            good = []
+            for d in got.deliveries:
+                if d.body.group_size < 1:
+                    await consumer.dead_letter(d, "invalid", f"task {d.body.task_id}: group_size < 1")
+                else:
+                    good.append(d)
+            if good:  # a failed batch is retried (or parked after max_deliver) by the loop
+                await self.handle_batch(good, stop)
+
+        async def take_new_weights() -> bool:
+            if self.new_weights.is_set():
+                self.new_weights.clear()
+                await self.load_latest()
+            return False
+
         try:
-            while not stop.is_set():
-                batch = await consumer.fetch(self.s.max_batch_tasks, timeout=0.5)
-                good: list[Delivery] = []
-                for d in batch:
-                    if not isinstance(d.event.body, ev.TaskSubmitted) or d.event.body.group_size < 1:
-                        await consumer.dead_letter(d, "invalid", f"not a generatable task: {d.event.type}")
-                    else:
-                        good.append(d)
-                if good:
-                    try:
-                        await self.handle_batch(good, stop)
-                    except Exception as exc:  # a failed batch is retried (or parked after max_deliver)
-                        self.busy = False
-                        self.log.exception("batch_failed", tasks=len(good))
-                        for d in good:
-                            if not d.settled:
-                                await consumer.settle_failure(d, exc)
-                elif self.new_weights.is_set():
-                    self.new_weights.clear()
-                    await self.load_latest()
+            await consumer.run_batches(
+                generate, batch=self.s.max_batch_tasks, fetch_timeout=0.5, stop=stop, after=take_new_weights
+            )
         finally:
             watcher.cancel()
             stop.set()

@@ -1,4 +1,5 @@
-"""``python -m jetrl.consumers.recorder``: the recorder as a separate process.
+"""``python -m jetrl.consumers.recorder --nats-url URL --run RUN --settings JSON``: the recorder
+as its own process (settings: consumers/recorder/settings.py; ``db`` is required).
 
 SIGTERM or SIGINT stops it after the batch in progress is committed and acked; SIGKILL at any
 moment is safe too (the next start resumes from the store's tracking row).
@@ -6,50 +7,40 @@ moment is safe too (the next start resumes from the store's tracking row).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import signal
 import sys
 
 from jetrl.bus.client import Bus
-from jetrl.bus.log import configure, get_logger
-from jetrl.consumers.recorder.recorder import DEFAULT_DURABLE, Recorder
+from jetrl.bus.log import get_logger
+from jetrl.bus.runtime import part_main
+from jetrl.consumers.recorder.recorder import Recorder
+from jetrl.consumers.recorder.settings import RecorderPart
 from jetrl.store.db import open_store
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m jetrl.consumers.recorder", description=__doc__)
-    p.add_argument("--nats-url", required=True, help="NATS server URL (comma-separated for a cluster)")
-    p.add_argument("--run", required=True, help="run id whose log is recorded")
-    p.add_argument("--db", required=True, help="store URL (sqlite:///path or postgresql+psycopg://...)")
-    p.add_argument("--durable", default=DEFAULT_DURABLE, help="durable consumer name (default %(default)s)")
-    p.add_argument("--batch", type=int, default=1000, help="events fetched and committed together")
-    p.add_argument("--log-level", default=None)
-    return p.parse_args(argv)
-
-
-async def amain(args: argparse.Namespace) -> int:
-    log = get_logger("jetrl.recorder", run_id=args.run, consumer=args.durable)
-    store = open_store(args.db)
-    bus = await Bus.connect(args.nats_url.split(","), name=f"recorder-{args.run}")
-    rec = Recorder(bus, store, args.run, durable=args.durable, batch=args.batch)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, rec.stop)
+async def record(bus: Bus, run_id: str, s: RecorderPart, stop: asyncio.Event) -> int:
+    store = open_store(s.db)
+    rec = Recorder(bus, store, run_id, durable=s.durable, batch=s.batch)
+    stopper = asyncio.create_task(stop.wait())
+    stopper.add_done_callback(lambda _: rec.stop())
     try:
         await rec.run()
     finally:
+        stopper.cancel()
         rec.close()
-        await bus.close()
         store.close()
-    log.info("recorder_exit", recorded_seq=rec.recorded_seq)
+    get_logger(__name__, run_id=run_id).info("recorder_exit", recorded_seq=rec.recorded_seq)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    configure(args.log_level)
-    return asyncio.run(amain(args))
+    return part_main(
+        argv,
+        prog="jetrl-recorder",
+        settings_model=RecorderPart,
+        client_name=lambda args, s: f"recorder-{args.run}",
+        body=lambda bus, args, s, stop: record(bus, args.run, s, stop),
+    )
 
 
 if __name__ == "__main__":

@@ -24,16 +24,16 @@ from typing import Any
 import nats.js.errors
 from nats.js import api
 
+from jetrl.bus import events as ev
 from jetrl.bus import subjects
-from jetrl.bus.client import Bus, ConsumerSpec, Delivery, PullConsumer, spoofed
+from jetrl.bus.client import Batch, Bus, ConsumerSpec, PullConsumer, spoofed
 from jetrl.bus.log import get_logger
 from jetrl.bus.streams import stream_name
+from jetrl.consumers.recorder.settings import DEFAULT_DURABLE
 from jetrl.store.db import Store
 from jetrl.store.projection import ApplyResult, LogItem, apply_batch, read_offset
 
 log = get_logger(__name__)
-
-DEFAULT_DURABLE = "recorder"
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,6 @@ class Recorder:
         # a thread only adds contention (measured: ~10% slower), so it runs inline by default.
         self.db_thread = store.backend != "sqlite" if db_thread is None else db_thread
         self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"recorder-{run_id}")
-        self._poisoned: list[int] = []  # sequences dead-lettered while fetching, not yet committed past
 
     # ------------------------------------------------------------------ control
 
@@ -149,7 +148,7 @@ class Recorder:
                 await asyncio.sleep(delay)
                 waited += delay
 
-    async def _open_consumer(self, start_seq: int) -> PullConsumer:
+    async def _open_consumer(self, start_seq: int) -> PullConsumer[ev.EventBody]:
         # The tracking row is the truth: re-create the durable at its position rather than
         # trusting the server's ack floor (which a crash between commit and ack leaves behind).
         with contextlib.suppress(nats.js.errors.NotFoundError):
@@ -168,7 +167,6 @@ class Recorder:
                 ack_policy=api.AckPolicy.ALL,  # one ack per batch (its last message)
             )
         )
-        consumer.on_dead_letter = self._poisoned.append
         return consumer
 
     def _read_offset(self) -> int:
@@ -212,45 +210,40 @@ class Recorder:
         self.log.info(
             "recorder_started", stream=self.stream, resume_from=self._last_seq + 1, batch=self.batch
         )
-        stop_wait = asyncio.create_task(self._stop.wait())
-        fetch: asyncio.Task[list[Delivery]] | None = None
         last_log = time.monotonic()
+
+        async def record(got: Batch[ev.EventBody]) -> None:
+            items = [LogItem(d.seq, d.subject, d.event) for d in got.deliveries]
+            # Dead-lettered sequences carry nothing to record, but the tracking row moves past them.
+            through = max([*(i.seq for i in items), *got.dead_lettered])
+            oldest = got.deliveries[0].msg.metadata.timestamp.timestamp() if got.deliveries else None
+            await self._commit(items, through, oldest)
+            self.stats.dead_lettered += len(got.dead_lettered)
+            if got.deliveries:
+                with contextlib.suppress(Exception):
+                    await got.deliveries[-1].msg.ack()  # AckPolicy.ALL: settles the whole batch
+
+        async def done() -> bool:
+            nonlocal last_log
+            if time.monotonic() - last_log >= self.log_every_s:
+                last_log = time.monotonic()
+                await self._log_progress()
+            return until_seq is not None and self._last_seq >= until_seq
+
         try:
-            while not self._stop.is_set():
-                if until_seq is not None and self._last_seq >= until_seq:
-                    break
-                if fetch is None:
-                    fetch = asyncio.create_task(consumer.fetch(self.batch, timeout=self.fetch_timeout))
-                done, _ = await asyncio.wait({fetch, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
-                if fetch not in done:
-                    break
-                deliveries = fetch.result()
-                fetch = None
-                poisoned = self._poisoned[:]
-                self._poisoned.clear()
-                if not deliveries and not poisoned:
-                    continue
-                # Prefetch while this batch commits: the server keeps it unacked meanwhile.
-                if not self._stop.is_set():
-                    fetch = asyncio.create_task(consumer.fetch(self.batch, timeout=self.fetch_timeout))
-                items = [LogItem(d.seq, d.subject, d.event) for d in deliveries]
-                through = max([*(i.seq for i in items), *poisoned])
-                oldest = deliveries[0].msg.metadata.timestamp.timestamp() if deliveries else None
-                await self._commit(items, through, oldest)
-                self.stats.dead_lettered += len(poisoned)
-                if deliveries:
-                    with contextlib.suppress(Exception):
-                        await deliveries[-1].msg.ack()
-                now = time.monotonic()
-                if now - last_log >= self.log_every_s:
-                    last_log = now
-                    await self._log_progress()
+            # The server keeps a prefetched batch unacked while this one commits. A failed
+            # commit must stop the recorder (its restart resumes from the store's row): never
+            # settle the batch and record past it.
+            await consumer.run_batches(
+                record,
+                batch=self.batch,
+                fetch_timeout=self.fetch_timeout,
+                stop=self._stop,
+                after=done,
+                prefetch=True,
+                settle_failures=False,
+            )
         finally:
-            stop_wait.cancel()
-            if fetch is not None:
-                fetch.cancel()
-                with contextlib.suppress(BaseException):
-                    await fetch
             await consumer.unsubscribe()
             self.log.info(
                 "recorder_stopped",

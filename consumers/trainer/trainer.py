@@ -25,35 +25,36 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import structlog
 
 from jetrl.bus import events as ev
 from jetrl.bus import ids, subjects
-from jetrl.bus.client import Bus, ConsumerSpec, Delivery
+from jetrl.bus.client import Batch, Bus, ConsumerSpec, Delivery, PullConsumer
 from jetrl.bus.log import get_logger
 from jetrl.bus.payloads import ObjectStorePayloads, Payloads, PayloadStore, weight_stores
 from jetrl.consumers.trainer.core import TrainCore, checkpoint_version, list_checkpoints
 from jetrl.consumers.trainer.replay import Replayer, ReplayError, read_rollouts, read_run_log
 from jetrl.consumers.trainer.settings import TrainerPart
 
+ScoredDelivery = Delivery[ev.RolloutScored]
+
 
 @dataclass
 class Group:
     group_id: str
-    deliveries: list[Delivery] = field(default_factory=list)
+    deliveries: list[ScoredDelivery] = field(default_factory=list)
 
     @property
     def size(self) -> int:
-        return self.deliveries[0].event.body.group_size  # type: ignore[attr-defined]
+        return self.deliveries[0].body.group_size
 
     @property
     def first_seq(self) -> int:
         return min(d.seq for d in self.deliveries)
 
     def oldest_version(self) -> int:
-        return min(d.event.body.policy_version_start for d in self.deliveries)  # type: ignore[attr-defined]
+        return min(d.body.policy_version_start for d in self.deliveries)
 
 
 class Trainer:
@@ -193,17 +194,16 @@ class Trainer:
         await self.announce_version()
         return int(ack.seq)
 
-    async def withhold(self, group: Group, reason: str, detail: str) -> None:
+    async def withhold(self, group: Group, reason: ev.WithheldReason, detail: str) -> None:
         for d in group.deliveries:
-            b = d.event.body
-            assert isinstance(b, ev.RolloutScored)
+            b = d.body
             await self.bus.publish(
                 ev.new_event(
                     ev.RolloutWithheld(
                         rollout_id=b.rollout_id,
                         group_id=b.group_id,
                         env=b.env,
-                        reason=reason,  # type: ignore[arg-type]
+                        reason=reason,
                         trainer_step=self.version,
                         policy_version=self.version,
                         staleness=self.version - b.policy_version_start,
@@ -216,7 +216,7 @@ class Trainer:
                 )
             )
             await d.ack()
-        self.withheld_ids.update(d.event.body.rollout_id for d in group.deliveries)  # type: ignore[attr-defined]
+        self.withheld_ids.update(d.body.rollout_id for d in group.deliveries)
         self.log.info("group_withheld", group_id=group.group_id, reason=reason, detail=detail)
 
     # ---------------------------------------------------------------- training
@@ -225,12 +225,12 @@ class Trainer:
         t0 = time.perf_counter()
         # Training order: groups by arrival, samples by index (recorded in StepCompleted).
         for g in groups:
-            g.deliveries.sort(key=lambda d: d.event.body.sample_index)  # type: ignore[attr-defined]
+            g.deliveries.sort(key=lambda d: d.body.sample_index)
         assert self.payloads is not None
-        bodies = [d.event.body for g in groups for d in g.deliveries]
-        rollouts = await self.core.rollouts(bodies, self.payloads)  # type: ignore[arg-type]
-        rewards = [b.reward for b in bodies]  # type: ignore[attr-defined]
-        stale = [self.version - b.policy_version_start for b in bodies]  # type: ignore[attr-defined]
+        bodies = [d.body for g in groups for d in g.deliveries]
+        rollouts = await self.core.rollouts(bodies, self.payloads)
+        rewards = [b.reward for b in bodies]
+        stale = [self.version - b.policy_version_start for b in bodies]
         metrics = await asyncio.to_thread(self.core.train, rollouts)
         step = self.version
         self.version += 1
@@ -238,7 +238,7 @@ class Trainer:
         parts: dict[str, list[float]] = {}
         for g in groups:
             for d in g.deliveries:
-                for k, v in d.event.body.reward_parts.items():  # type: ignore[attr-defined]
+                for k, v in d.body.reward_parts.items():
                     parts.setdefault(k, []).append(v)
         reward_mean = sum(rewards) / len(rewards)
         self.rewards.append(reward_mean)
@@ -254,7 +254,7 @@ class Trainer:
             groups=float(len(groups)),
             **{f"reward_{k}": sum(v) / len(v) for k, v in parts.items()},
         )
-        rollout_ids = [d.event.body.rollout_id for g in groups for d in g.deliveries]  # type: ignore[attr-defined]
+        rollout_ids = [d.body.rollout_id for g in groups for d in g.deliveries]
         seqs = [d.seq for g in groups for d in g.deliveries]
         duration = time.perf_counter() - t0
         metrics["step_s"] = duration
@@ -296,14 +296,8 @@ class Trainer:
 
     # ---------------------------------------------------------------- loop
 
-    async def admit(self, consumer: Any, d: Delivery) -> None:
-        b = d.event.body
-        if isinstance(b, ev.RolloutWithheld):
-            await d.ack()  # our own output, on the same subjects
-            return
-        if not isinstance(b, ev.RolloutScored):
-            await consumer.dead_letter(d, "invalid", f"trainer expects RolloutScored, got {d.event.type}")
-            return
+    async def admit(self, consumer: PullConsumer[ev.RolloutScored], d: ScoredDelivery) -> None:
+        b = d.body
         if not math.isfinite(b.reward) or b.group_size < 1 or not 0 <= b.sample_index < b.group_size:
             await consumer.dead_letter(
                 d, "invalid", f"rollout {b.rollout_id}: reward/group fields out of range"
@@ -316,7 +310,7 @@ class Trainer:
             await d.ack()  # redelivered after a crash: already trained, never twice
             return
         g = self.groups.setdefault(b.group_id, Group(b.group_id))
-        if any(x.event.body.rollout_id == b.rollout_id for x in g.deliveries):  # type: ignore[attr-defined]
+        if any(x.body.rollout_id == b.rollout_id for x in g.deliveries):
             await d.ack()  # the same rollout twice in the buffer (redelivery): keep one
             return
         g.deliveries.append(d)
@@ -340,14 +334,20 @@ class Trainer:
                 ack_wait=self.s.ack_wait_s,
                 max_deliver=5,
                 max_ack_pending=100_000,
-            )
+                skip_types=("RolloutWithheld",),  # our own output, on the same subjects
+            ),
+            ev.RolloutScored,
         )
         self.started = time.monotonic()
         last_step_end = time.monotonic()
         last_beat = time.monotonic()
-        while not stop.is_set() and not self.done():
-            for d in await consumer.fetch(256, timeout=0.2):
+
+        async def admit_all(got: Batch[ev.RolloutScored]) -> None:
+            for d in got.deliveries:
                 await self.admit(consumer, d)
+
+        async def train_when_ready() -> bool:
+            nonlocal last_step_end, last_beat
             ready = []
             for g in self.ready_groups():
                 staleness = self.version - g.oldest_version()
@@ -372,6 +372,18 @@ class Trainer:
                         with contextlib.suppress(Exception):
                             await d.in_progress()
                 last_beat = time.monotonic()
+            return self.done()
+
+        if not self.done():
+            # Handler errors propagate: a trainer that cannot take its step restarts and recovers.
+            await consumer.run_batches(
+                admit_all,
+                batch=256,
+                fetch_timeout=0.2,
+                stop=stop,
+                after=train_when_ready,
+                settle_failures=False,
+            )
         self.log.info(
             "trainer_finished",
             version=self.version,

@@ -1,0 +1,15 @@
+"""The recorder's settings: what its process is handed (``--settings``). Torch-free."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from jetrl.bus.settings import Section
+
+DEFAULT_DURABLE = "recorder"
+
+
+class RecorderPart(Section):
+    db: str  # store URL: sqlite:///path or postgresql+psycopg://...
+    durable: str = DEFAULT_DURABLE  # its durable consumer on the run's log
+    batch: int = Field(1000, ge=1)  # events fetched and committed together
