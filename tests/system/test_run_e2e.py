@@ -15,22 +15,12 @@ from jetrl.deploy.config import load_config
 from jetrl.deploy.supervisor import Supervisor
 from jetrl.store import queries
 from jetrl.store.db import open_store
+from tests.support.runlog import read_log
 
 pytestmark = pytest.mark.slow
 
 MAX_OFF = 1
 STEPS = 6
-
-
-async def read_log(url: str, run_id: str) -> list[ev.Event]:
-    bus = await Bus.connect(url)
-    try:
-        items = await bus.read_log(run_id)
-    finally:
-        await bus.close()
-    for item in items:
-        assert item.event is not None, f"undecodable event at seq {item.seq}: {item.error}"
-    return [item.event for item in items if item.event is not None]
 
 
 async def test_short_async_run_keeps_the_invariants(nats_server: EmbeddedServer, tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from jetrl.deploy.replay_cmd import replay
 from jetrl.deploy.supervisor import Supervisor
 from jetrl.store import queries
 from jetrl.store.db import open_store
-from tests.test_run_e2e import read_log
+from tests.support.runlog import read_log
 
 pytestmark = [pytest.mark.slow, pytest.mark.fault]
 

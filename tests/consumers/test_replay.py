@@ -19,7 +19,7 @@ from jetrl.consumers.trainer.replay import Replayer, divergence_hints, read_roll
 from jetrl.deploy.config import RunConfig, load_config
 from jetrl.deploy.replay_cmd import replay
 from jetrl.deploy.supervisor import Supervisor
-from tests.test_run_e2e import read_log
+from tests.support.runlog import read_log
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ from jetrl.bus import events as ev
 from jetrl.bus import subjects
 from jetrl.bus.client import Batch, Bus, ConsumerSpec, Delivery, PublishError, Reject
 from jetrl.bus.server import EmbeddedServer
-from tests.catalog_samples import sample_bodies
+from tests.support.catalog_samples import sample_bodies
 
 
 async def drain(consumer, expect: int, *, timeout: float = 10.0) -> list[Delivery]:

@@ -215,11 +215,11 @@ async def test_a_short_run_trains_on_a_verifiers_taskset(nats_server, tmp_path: 
     from jetrl.deploy.supervisor import Supervisor
     from jetrl.store import queries
     from jetrl.store.db import open_store
-    from tests.test_run_e2e import read_log
+    from tests.support.runlog import read_log
 
     steps = 3
     cfg = load_config(
-        Path(__file__).parents[1] / "configs" / "verifiers.toml",
+        Path(__file__).parents[2] / "configs" / "verifiers.toml",
         [
             *("--trainer.max_steps", str(steps), "--trainer.batch_groups", "2"),
             *("--inference.workers", "1", "--envs.0.group_size", "4"),

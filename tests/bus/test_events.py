@@ -7,7 +7,7 @@ import pytest
 
 from jetrl.bus import events as ev
 from jetrl.bus import subjects
-from tests.catalog_samples import sample_bodies
+from tests.support.catalog_samples import sample_bodies
 
 
 def test_catalog_is_covered_by_samples() -> None:

@@ -11,7 +11,7 @@ import pytest
 from jetrl.deploy.config import ConfigError, apply_overrides, load_config
 from jetrl.deploy.run_cmd import split_overrides
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_demo_config_loads_and_derives_settings(tmp_path: Path) -> None:

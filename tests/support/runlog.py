@@ -1,0 +1,17 @@
+"""Reading a finished run's whole log in tests."""
+
+from __future__ import annotations
+
+from jetrl.bus import events as ev
+from jetrl.bus.client import Bus
+
+
+async def read_log(url: str, run_id: str) -> list[ev.Event]:
+    bus = await Bus.connect(url)
+    try:
+        items = await bus.read_log(run_id)
+    finally:
+        await bus.close()
+    for item in items:
+        assert item.event is not None, f"undecodable event at seq {item.seq}: {item.error}"
+    return [item.event for item in items if item.event is not None]
