@@ -33,6 +33,7 @@ from jetrl.bus.client import Bus
 from jetrl.bus.log import get_logger
 from jetrl.bus.server import EmbeddedServer
 from jetrl.consumers.recorder.settings import RecorderPart
+from jetrl.consumers.trainer.withholding import close_out
 from jetrl.deploy.config import RunConfig, library_versions
 from jetrl.deploy.report import RunReport
 from jetrl.store import queries
@@ -93,6 +94,7 @@ class Supervisor:
         self.parts: list[Part] = []
         self.progress = Progress()
         self.server_restarts = 0
+        self.unfinished = 0  # rollouts withheld as run_finished at the end
         self.log = log.bind(run_id=run_id)
 
     # ------------------------------------------------------------------ processes
@@ -298,6 +300,11 @@ class Supervisor:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await follower
             steps = len(self.progress.steps)
+            if status == "completed":  # a finished run accounts for every rollout in its log
+                try:
+                    self.unfinished = await close_out(bus, self.run_id, self.cfg.trainer)
+                except Exception as exc:  # the run's result stands; the gap is logged
+                    self.log.warning("close_out_failed", error=repr(exc))
             with contextlib.suppress(Exception):
                 await bus.publish(
                     ev.new_event(
@@ -333,6 +340,8 @@ class Supervisor:
     def finish(self, status: str) -> None:
         report = self.progress.report
         summary: dict[str, Any] = {"run_id": self.run_id, "status": status, **report.summary()}
+        if status == "completed":
+            summary["withheld_at_end"] = self.unfinished
         if report.steps:
             summary["restarts"] = {p.name: p.restarts for p in self.parts if p.restarts} | (
                 {"nats-server": self.server_restarts} if self.server_restarts else {}

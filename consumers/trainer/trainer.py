@@ -29,15 +29,14 @@ from pathlib import Path
 import structlog
 
 from jetrl.bus import events as ev
-from jetrl.bus import ids, subjects
-from jetrl.bus.client import Batch, Bus, ConsumerSpec, Delivery, PullConsumer
+from jetrl.bus import ids
+from jetrl.bus.client import Batch, Bus, PullConsumer
 from jetrl.bus.log import get_logger
 from jetrl.bus.payloads import ObjectStorePayloads, Payloads, PayloadStore, weight_stores
 from jetrl.consumers.trainer.core import TrainCore, checkpoint_version, list_checkpoints
 from jetrl.consumers.trainer.replay import Replayer, ReplayError, read_rollouts, read_run_log
 from jetrl.consumers.trainer.settings import TrainerPart
-
-ScoredDelivery = Delivery[ev.RolloutScored]
+from jetrl.consumers.trainer.withholding import ScoredDelivery, rollout_consumer_spec, withheld_event
 
 
 @dataclass
@@ -196,25 +195,7 @@ class Trainer:
 
     async def withhold(self, group: Group, reason: ev.WithheldReason, detail: str) -> None:
         for d in group.deliveries:
-            b = d.body
-            await self.bus.publish(
-                ev.new_event(
-                    ev.RolloutWithheld(
-                        rollout_id=b.rollout_id,
-                        group_id=b.group_id,
-                        env=b.env,
-                        reason=reason,
-                        trainer_step=self.version,
-                        policy_version=self.version,
-                        staleness=self.version - b.policy_version_start,
-                        detail=detail,
-                    ),
-                    run_id=self.run_id,
-                    tenant=d.event.tenant,
-                    causation_id=d.event.event_id,
-                    event_id=ids.withheld_event_id(self.run_id, b.rollout_id),
-                )
-            )
+            await self.bus.publish(withheld_event(self.run_id, d, reason, detail, self.version))
             await d.ack()
         self.withheld_ids.update(d.body.rollout_id for d in group.deliveries)
         self.log.info("group_withheld", group_id=group.group_id, reason=reason, detail=detail)
@@ -326,18 +307,7 @@ class Trainer:
         self.weights_store = self.payloads.stores["file"] if self.part.weights_dir else objstore
         structlog.contextvars.bind_contextvars(run_id=self.run_id, worker_id="trainer")
         await self.recover()
-        consumer = await self.bus.consumer(
-            ConsumerSpec(
-                run_id=self.run_id,
-                durable="trainer",
-                filter_subjects=[subjects.rollout_subject(self.run_id)],
-                ack_wait=self.s.ack_wait_s,
-                max_deliver=5,
-                max_ack_pending=100_000,
-                skip_types=("RolloutWithheld",),  # our own output, on the same subjects
-            ),
-            ev.RolloutScored,
-        )
+        consumer = await self.bus.consumer(rollout_consumer_spec(self.run_id, self.s), ev.RolloutScored)
         self.started = time.monotonic()
         last_step_end = time.monotonic()
         last_beat = time.monotonic()
@@ -384,6 +354,12 @@ class Trainer:
                 after=train_when_ready,
                 settle_failures=False,
             )
+        # Rollouts held for groups not yet complete go back at once (not after an ack wait): to
+        # a resumed trainer, or to the close-out that withholds them when the run has finished.
+        for g in self.groups.values():
+            for d in g.deliveries:
+                with contextlib.suppress(Exception):
+                    await d.nak()
         self.log.info(
             "trainer_finished",
             version=self.version,

@@ -3,6 +3,7 @@ invariants checked from the log and the store."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -74,6 +75,11 @@ async def test_short_async_run_keeps_the_invariants(nats_server: EmbeddedServer,
     assert set(trained) <= set(scored)
     withheld = {e.body.rollout_id for e in by_type.get("RolloutWithheld", [])}  # type: ignore[attr-defined]
     assert not (withheld & set(trained)), "a withheld rollout was trained"
+    # A finished run accounts for every rollout: trained, or withheld with its reason.
+    assert set(scored) == set(trained) | withheld, "a scored rollout is neither trained nor withheld"
+    at_end = [e.body for e in by_type.get("RolloutWithheld", []) if e.body.reason == "run_finished"]  # type: ignore[attr-defined]
+    assert all(w.trainer_step == STEPS for w in at_end)  # type: ignore[attr-defined]
+    assert json.loads((tmp_path / run_id / "summary.json").read_text())["withheld_at_end"] == len(at_end)
     assert sum(len(s.rollout_ids) for s in steps) == STEPS * 2 * 4  # type: ignore[attr-defined]
 
     # Staleness is within the bound for every trained rollout.

@@ -1,0 +1,81 @@
+"""Withholding scored rollouts: the trainer's consumer and events, and the end of a run, when
+every scored rollout must be trained or withheld. Torch-free (the supervisor calls it).
+
+When a run finishes, rollouts scored after the trainer's last step remain in its log, neither
+trained nor withheld. :func:`close_out` binds the trainer's durable consumer once every part
+has stopped and withholds each rollout it still holds, with reason ``run_finished``, so that a
+reader of the log accounts for every rollout (docs/events.md). A redelivered rollout that the
+log says was trained is only acked.
+"""
+
+from __future__ import annotations
+
+from jetrl.bus import events as ev
+from jetrl.bus import ids, subjects
+from jetrl.bus.client import Bus, ConsumerSpec, Delivery
+from jetrl.bus.log import get_logger
+from jetrl.consumers.trainer.settings import TrainerSettings
+
+ScoredDelivery = Delivery[ev.RolloutScored]
+
+
+def rollout_consumer_spec(run_id: str, settings: TrainerSettings) -> ConsumerSpec:
+    """The trainer's durable consumer of scored rollouts (the close-out binds the same one)."""
+    return ConsumerSpec(
+        run_id=run_id,
+        durable="trainer",
+        filter_subjects=[subjects.rollout_subject(run_id)],
+        ack_wait=settings.ack_wait_s,
+        max_deliver=5,
+        max_ack_pending=100_000,
+        skip_types=("RolloutWithheld",),  # the trainer's own output, on the same subjects
+    )
+
+
+def withheld_event(
+    run_id: str, d: ScoredDelivery, reason: ev.WithheldReason, detail: str, version: int
+) -> ev.Event:
+    """RolloutWithheld for ``d`` at trainer version ``version``: its id derives from the
+    rollout's, so a rollout withheld twice (a retry, a restart) is stored once."""
+    b = d.body
+    return ev.new_event(
+        ev.RolloutWithheld(
+            rollout_id=b.rollout_id,
+            group_id=b.group_id,
+            env=b.env,
+            reason=reason,
+            trainer_step=version,
+            policy_version=version,
+            staleness=version - b.policy_version_start,
+            detail=detail,
+        ),
+        run_id=run_id,
+        tenant=d.event.tenant,
+        causation_id=d.event.event_id,
+        event_id=ids.withheld_event_id(run_id, b.rollout_id),
+    )
+
+
+async def close_out(bus: Bus, run_id: str, settings: TrainerSettings, *, idle_s: float = 1.0) -> int:
+    """Withhold what the trainer never settled; returns how many rollouts were withheld. Call it
+    only when no trainer runs (it takes the trainer's consumer) and the run will not resume."""
+    trained: set[str] = set()
+    version = 0
+    for item in await bus.read_log(run_id, filter_subject=subjects.step_subject(run_id)):
+        if item.event is not None and isinstance(item.event.body, ev.StepCompleted):
+            trained.update(item.event.body.rollout_ids)
+            version = max(version, item.event.body.policy_version)
+    consumer = await bus.consumer(rollout_consumer_spec(run_id, settings), ev.RolloutScored)
+    withheld = 0
+    try:
+        while batch := await consumer.fetch(256, timeout=idle_s):
+            for d in batch:
+                if d.body.rollout_id not in trained:
+                    detail = f"the run finished at version {version} before it was trained"
+                    await bus.publish(withheld_event(run_id, d, "run_finished", detail, version))
+                    withheld += 1
+                await d.ack()
+    finally:
+        await consumer.unsubscribe()
+    get_logger(__name__, run_id=run_id).info("run_closed_out", withheld=withheld, version=version)
+    return withheld
