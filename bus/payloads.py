@@ -80,15 +80,6 @@ def sha256(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def routing_trace_dtype(num_experts: int) -> np.dtype:
-    """uint8 up to 256 experts, uint16 beyond (DESIGN.md, Router Replay)."""
-    if num_experts <= 256:
-        return np.dtype(np.uint8)
-    if num_experts <= 65536:
-        return np.dtype(np.uint16)
-    raise PayloadError(f"{num_experts} experts do not fit a uint16 routing trace")
-
-
 # --------------------------------------------------------------------------- stores
 
 

@@ -22,13 +22,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-import numpy as np
 import torch
 from torch import nn
 
 from jetrl.policy.models import ModelConfig, model_config, moe_routers
-
-_NP_DTYPES = {torch.uint8: np.uint8, torch.uint16: np.uint16}
 
 
 class TraceError(ValueError):
@@ -129,32 +126,6 @@ def pad_traces(traces: Sequence[torch.Tensor], length: int) -> torch.Tensor:
             raise TraceError(f"trace {i}: {t.shape[0]} rows do not fit a batch of {length} positions")
         out[i, : t.shape[0]] = t.long()
     return out
-
-
-def trace_to_bytes(trace: torch.Tensor) -> bytes:
-    """Raw C-order bytes (little-endian) of a uint8/uint16 trace, for the payload store."""
-    if trace.dtype not in _NP_DTYPES:
-        raise TraceError(f"traces ship as uint8 or uint16, got {trace.dtype}")
-    return (
-        trace.detach()
-        .cpu()
-        .contiguous()
-        .numpy()
-        .astype(np.dtype(_NP_DTYPES[trace.dtype]).newbyteorder("<"))
-        .tobytes()
-    )
-
-
-def trace_from_bytes(data: bytes, *, num_moe_layers: int, top_k: int, num_experts: int) -> torch.Tensor:
-    dtype = trace_dtype(num_experts)
-    item = np.dtype(_NP_DTYPES[dtype]).newbyteorder("<")
-    row = num_moe_layers * top_k * item.itemsize
-    if row == 0 or len(data) % row:
-        raise TraceError(
-            f"{len(data)} bytes are not a whole number of [{num_moe_layers}, {top_k}] {dtype} rows"
-        )
-    arr = np.frombuffer(data, dtype=item).astype(_NP_DTYPES[dtype]).reshape(-1, num_moe_layers, top_k)
-    return torch.from_numpy(arr.copy())
 
 
 class RoutingCapture:

@@ -14,7 +14,6 @@ from jetrl.bus.payloads import (
     PayloadIntegrityError,
     PayloadMissing,
     Payloads,
-    routing_trace_dtype,
 )
 
 
@@ -62,7 +61,6 @@ async def test_small_arrays_ride_inline(bus: Bus, run_id: str) -> None:
 
 
 async def test_file_store_and_uint16_traces(tmp_path) -> None:
-    assert routing_trace_dtype(256) == np.uint8 and routing_trace_dtype(384) == np.uint16
     fs = FilePayloads(tmp_path, "run1")
     pay = Payloads(fs, inline_threshold=0)
     trace = np.random.default_rng(2).integers(0, 384, size=(1000, 8, 8)).astype(np.uint16)

@@ -9,9 +9,7 @@ from jetrl.policy.routing import (
     pad_traces,
     replay_routing,
     trace_dtype,
-    trace_from_bytes,
     trace_length,
-    trace_to_bytes,
 )
 
 
@@ -119,18 +117,6 @@ def test_pad_traces_fills_distinct_ids():
     assert out[0, 2:].tolist() == [[[0, 1], [0, 1]]] * 2
     with pytest.raises(TraceError, match="do not fit"):
         pad_traces([_good(rows=5)], 4)
-
-
-@pytest.mark.parametrize("experts", [8, 300])
-def test_trace_bytes_roundtrip(experts):
-    dtype = trace_dtype(experts)
-    t = torch.randint(0, experts, (7, 3, 2)).to(dtype)
-    data = trace_to_bytes(t)
-    assert len(data) == t.numel() * t.element_size()
-    back = trace_from_bytes(data, num_moe_layers=3, top_k=2, num_experts=experts)
-    assert back.dtype == dtype and torch.equal(back.long(), t.long())
-    with pytest.raises(TraceError):
-        trace_from_bytes(data[:-1], num_moe_layers=3, top_k=2, num_experts=experts)
 
 
 def test_uint16_trace_replays():
