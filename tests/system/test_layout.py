@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import tomllib
 from pathlib import Path
 
@@ -69,3 +70,19 @@ def test_consumers_never_import_each_other() -> None:
             if parts[:2] == ["jetrl", "consumers"] and len(parts) > 2 and parts[2] != mine:
                 bad.append(f"{path.relative_to(ROOT)} imports {mod}")
     assert not bad, "\n".join(bad)
+
+
+def test_typecheck_view_mirrors_package_dir() -> None:
+    # mypy reads the package through .typecheck/jetrl (pyproject.toml, [tool.mypy]): one
+    # relative symlink per folder of package-dir, so a fresh clone checks the same files.
+    view = ROOT / ".typecheck"
+    linked = {p.name for p in (view / "jetrl").iterdir()}
+    expected = {"__init__.py"} | {top.split(".", 1)[1] for top in PACKAGE_DIR if top != "jetrl"}
+    assert linked == expected
+    for top, folder in PACKAGE_DIR.items():
+        link = view.joinpath(*top.split("."))
+        if top == "jetrl":
+            link = link / "__init__.py"
+            folder = f"{folder}/__init__.py"
+        assert link.is_symlink() and not Path(os.readlink(link)).is_absolute(), link
+        assert link.resolve() == (ROOT / folder).resolve(), link
