@@ -3,6 +3,7 @@ bit-reproducible for a fixed thread count (policy/train.py)."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -63,5 +64,7 @@ class LocalTrainEngine:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        load_into(self.model, state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_into(self.model, state["model"])  # copies into the model's own tensors
+        # torch's optimizer keeps the given moment tensors as they are: copy them, so that the
+        # engine never shares state with whoever handed it over (another engine, say).
+        self.optimizer.load_state_dict(copy.deepcopy(dict(state["optimizer"])))
