@@ -40,6 +40,8 @@ from jetrl.bus.streams import StreamLimits, ensure_payload_bucket, ensure_run_st
 log = get_logger(__name__)
 
 B = TypeVar("B", bound=ev.EventBody)  # the event body a consumer takes
+# A delivery only hands its body out, so a Delivery[RolloutScored] is a Delivery[EventBody].
+B_co = TypeVar("B_co", bound=ev.EventBody, covariant=True)
 
 
 class BusError(RuntimeError):
@@ -267,6 +269,7 @@ class Bus:
         try:
             if to_head:
                 info = await sub.consumer_info()
+                assert info.delivered is not None  # the server always reports it
                 if not info.num_pending and not info.delivered.consumer_seq:
                     return  # nothing matches
             while True:
@@ -464,8 +467,8 @@ class ConsumerSpec:
 
 
 @dataclass
-class Delivery(Generic[B]):
-    """One delivered event, whose body is a ``B``, and the handle to settle it."""
+class Delivery(Generic[B_co]):
+    """One delivered event, whose body is a ``B_co``, and the handle to settle it."""
 
     event: ev.Event
     seq: int
@@ -475,8 +478,8 @@ class Delivery(Generic[B]):
     settled: bool = field(default=False, repr=False)
 
     @property
-    def body(self) -> B:
-        return cast(B, self.event.body)  # checked against the consumer's body type on admission
+    def body(self) -> B_co:
+        return cast(B_co, self.event.body)  # checked against the consumer's body type on admission
 
     async def ack(self) -> None:
         if not self.settled:
@@ -786,7 +789,10 @@ class PullConsumer(Generic[B]):
             await asyncio.wait(inflight, timeout=drain_s)
 
     async def info(self) -> api.ConsumerInfo:
-        return await self.bus.js.consumer_info(stream_name(self.spec.run_id), self.spec.durable)
+        info: api.ConsumerInfo = await self.bus.js.consumer_info(
+            stream_name(self.spec.run_id), self.spec.durable
+        )
+        return info
 
     async def unsubscribe(self) -> None:
         with contextlib.suppress(Exception):

@@ -103,13 +103,16 @@ ArrayRef = InlineArray | PayloadRef
 
 
 class EventBody(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """Base of all bodies. ``TYPE`` is the wire name, ``SCHEMA_VERSION`` its current version."""
+    """Base of all bodies. ``TYPE`` is the wire name, ``SCHEMA_VERSION`` its current version.
+
+    Subclasses restate ``frozen=True``: msgspec inherits it, but type checkers read each class's
+    own keywords."""
 
     TYPE: ClassVar[str]
     SCHEMA_VERSION: ClassVar[int] = 1
 
 
-class RunStarted(EventBody):
+class RunStarted(EventBody, frozen=True):
     TYPE: ClassVar[str] = "RunStarted"
     config: dict[str, Any]
     code_version: str
@@ -117,7 +120,7 @@ class RunStarted(EventBody):
     library_versions: dict[str, str] = {}
 
 
-class RunFinished(EventBody):
+class RunFinished(EventBody, frozen=True):
     TYPE: ClassVar[str] = "RunFinished"
     status: Literal["completed", "failed", "cancelled"]
     steps: int
@@ -148,7 +151,7 @@ class EpisodeState(msgspec.Struct, frozen=True, kw_only=True):
     max_tokens: int
 
 
-class TaskSubmitted(EventBody):
+class TaskSubmitted(EventBody, frozen=True):
     """A task handed out for generation: one prompt, ``group_size`` samples wanted, with a
     policy version at least ``min_policy_version`` (how the producer bounds staleness and makes
     the synchronous mode exact)."""
@@ -174,7 +177,7 @@ class GenerationTimings(msgspec.Struct, frozen=True, omit_defaults=True):
     load_wait_s: float = 0.0
 
 
-class GenerationCompleted(EventBody):
+class GenerationCompleted(EventBody, frozen=True):
     """One completion of a task. ``logprobs`` are the inference logprobs of the sampled
     tokens (float32, one per completion token); ``routing_trace`` is
     ``[tokens, moe_layers, top_k]`` uint8/uint16 over prompt+completion tokens (MoE only)."""
@@ -199,7 +202,7 @@ class GenerationCompleted(EventBody):
     turn: int = 0
 
 
-class RolloutScored(EventBody):
+class RolloutScored(EventBody, frozen=True):
     """A scored completion: the unit the trainer consumes. It carries the generation's array
     references (not copies of large arrays) so the trainer needs no other event.
 
@@ -227,7 +230,7 @@ class RolloutScored(EventBody):
     turns: int = 1
 
 
-class RolloutWithheld(EventBody):
+class RolloutWithheld(EventBody, frozen=True):
     """A rollout the trainer will not train on, and why: never dropped in silence."""
 
     TYPE: ClassVar[str] = "RolloutWithheld"
@@ -241,7 +244,7 @@ class RolloutWithheld(EventBody):
     detail: str = ""
 
 
-class StepCompleted(EventBody):
+class StepCompleted(EventBody, frozen=True):
     """One optimizer step and exactly the rollouts it consumed, in training order."""
 
     TYPE: ClassVar[str] = "StepCompleted"
@@ -254,7 +257,7 @@ class StepCompleted(EventBody):
     duration_s: float = 0.0
 
 
-class PolicyVersionPublished(EventBody):
+class PolicyVersionPublished(EventBody, frozen=True):
     TYPE: ClassVar[str] = "PolicyVersionPublished"
     version: int
     step: int
@@ -262,7 +265,7 @@ class PolicyVersionPublished(EventBody):
     parent_version: int | None = None
 
 
-class WeightsReady(EventBody):
+class WeightsReady(EventBody, frozen=True):
     """The bytes of a policy version are readable at ``location``; ``weights_checksum`` is the
     content checksum of the tensors (layout independent), ``location.sha256`` that of the bytes."""
 
@@ -273,7 +276,7 @@ class WeightsReady(EventBody):
     format: str = "safetensors"
 
 
-class WeightsLoaded(EventBody):
+class WeightsLoaded(EventBody, frozen=True):
     TYPE: ClassVar[str] = "WeightsLoaded"
     version: int
     worker_id: str
@@ -281,7 +284,7 @@ class WeightsLoaded(EventBody):
     checksum_verified: bool = True
 
 
-class WorkerHeartbeat(EventBody):
+class WorkerHeartbeat(EventBody, frozen=True):
     TYPE: ClassVar[str] = "WorkerHeartbeat"
     worker_id: str
     kind: str
@@ -291,7 +294,7 @@ class WorkerHeartbeat(EventBody):
     stats: dict[str, float] = {}
 
 
-class DeadLettered(EventBody):
+class DeadLettered(EventBody, frozen=True):
     """A message that could never be processed, kept whole: its original bytes and headers."""
 
     TYPE: ClassVar[str] = "DeadLettered"

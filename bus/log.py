@@ -46,4 +46,5 @@ def get_logger(name: str, **ids: object) -> structlog.typing.FilteringBoundLogge
     loggers follow a later :func:`configure` (e.g. a command's log level)."""
     if not _configured and not structlog.is_configured():
         configure()
-    return structlog.get_logger(name, **ids)  # type: ignore[no-any-return]
+    logger: structlog.typing.FilteringBoundLogger = structlog.get_logger(name, **ids)
+    return logger

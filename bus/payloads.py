@@ -112,6 +112,7 @@ class ObjectStorePayloads:
     async def put(self, name: str, data: bytes) -> ev.PayloadRef:
         info = await self.obj.put(name, data)
         # The object store hashed the bytes already ("SHA-256=<base64url>"): no second pass.
+        assert info.digest is not None  # set on every object the store put
         digest = base64.urlsafe_b64decode(info.digest.split("=", 1)[1]).hex()
         return _ref(self, name, data, digest)
 

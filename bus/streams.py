@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import nats.js.errors
 from nats.js import JetStreamContext, api
+from nats.js.object_store import ObjectStore
 
 from jetrl.bus import subjects
 from jetrl.bus.log import get_logger
@@ -79,14 +80,15 @@ async def ensure_run_stream(
     stream are updated (raising them is always safe, lowering them is JetStream's call)."""
     limits = limits or StreamLimits()
     cfg = limits.stream_config(run_id)
+    name = stream_name(run_id)  # the name cfg carries
     try:
-        info = await js.stream_info(cfg.name)  # type: ignore[arg-type]
+        info = await js.stream_info(name)
     except nats.js.errors.NotFoundError:
         try:
             info = await js.add_stream(cfg)
         except nats.js.errors.APIError as exc:
-            raise StreamSetupError(cfg.name, limits.max_bytes, exc) from exc
-        log.info("stream_created", run_id=run_id, stream=cfg.name, max_bytes=limits.max_bytes)
+            raise StreamSetupError(name, limits.max_bytes, exc) from exc
+        log.info("stream_created", run_id=run_id, stream=name, max_bytes=limits.max_bytes)
         return info
     current = info.config
     if (
@@ -96,11 +98,13 @@ async def ensure_run_stream(
         or current.duplicate_window != cfg.duplicate_window
     ):
         info = await js.update_stream(cfg)
-        log.info("stream_limits_updated", run_id=run_id, stream=cfg.name)
+        log.info("stream_limits_updated", run_id=run_id, stream=name)
     return info
 
 
-async def ensure_payload_bucket(js: JetStreamContext, run_id: str, limits: StreamLimits | None = None):
+async def ensure_payload_bucket(
+    js: JetStreamContext, run_id: str, limits: StreamLimits | None = None
+) -> ObjectStore:
     limits = limits or StreamLimits()
     bucket = payload_bucket(run_id)
     try:

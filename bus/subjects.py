@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import Protocol, cast
 
 from jetrl.bus import events as ev
 
@@ -95,9 +96,23 @@ def _scoped(run_id: str, kind: str, tenant: str, env: str) -> str:
     return f"{run_prefix(run_id)}.{kind}.{_tok_or_wild(tenant, 'tenant')}.{_tok_or_wild(env, 'env')}"
 
 
+class _OfEnv(Protocol):
+    """A body published under its tenant and environment (TaskSubmitted, ... RolloutWithheld)."""
+
+    @property
+    def env(self) -> str: ...
+
+
+class _OfWorker(Protocol):
+    """A body a worker publishes under its id (WeightsLoaded, WorkerHeartbeat)."""
+
+    @property
+    def worker_id(self) -> str: ...
+
+
 def _scoped_event(kind: str) -> Callable[[ev.Event], str]:
     def subject(e: ev.Event) -> str:
-        env = e.body.env  # type: ignore[attr-defined]
+        env = cast(_OfEnv, e.body).env  # _SUBJECT_OF maps only such bodies here
         return _scoped(e.run_id, kind, check_token(e.tenant, "tenant"), check_token(env, "env"))
 
     return subject
@@ -106,7 +121,8 @@ def _scoped_event(kind: str) -> Callable[[ev.Event], str]:
 def _worker_event(e: ev.Event) -> str:
     b = e.body
     kind = b.kind if isinstance(b, ev.WorkerHeartbeat) else "inference"
-    return worker_subject(e.run_id, check_token(kind, "worker kind"), check_token(b.worker_id, "worker id"))  # type: ignore[attr-defined]
+    worker_id = cast(_OfWorker, b).worker_id
+    return worker_subject(e.run_id, check_token(kind, "worker kind"), check_token(worker_id, "worker id"))
 
 
 # A dict lookup by body class: this runs once per published event.
@@ -122,7 +138,9 @@ _SUBJECT_OF: dict[type[ev.EventBody], Callable[[ev.Event], str]] = {
     ev.WeightsReady: lambda e: weights_subject(e.run_id),
     ev.WeightsLoaded: _worker_event,
     ev.WorkerHeartbeat: _worker_event,
-    ev.DeadLettered: lambda e: dlq_subject(e.run_id, check_token(e.body.reason, "dead-letter reason")),  # type: ignore[attr-defined]
+    ev.DeadLettered: lambda e: dlq_subject(
+        e.run_id, check_token(cast(ev.DeadLettered, e.body).reason, "dead-letter reason")
+    ),
 }
 
 
