@@ -1,0 +1,151 @@
+"""The pipeline's own cost: `jetrl run` against the same training in one process with no bus.
+
+Both train the demo (configs/demo.toml: its task, model, seeds and hyper-parameters) to its
+reward target (a 10-step mean of 0.92) and are timed from start to the step that reaches it:
+
+* one process: generate (the same policy code and inference precision as the embedded engine),
+  score (the same environment), train (the same train engine), the weights copied into the
+  sampler after each step. Synchronous and on-policy: nothing waits on a bus, nothing overlaps.
+* `jetrl run`: every part its own process on a private nats-server, asynchronous with the demo's
+  ``max_off_policy_steps``.
+
+Asynchrony must pay for the bus: the target is jetrl <= 1.0x of the one-process loop, the
+floor 1.5x.
+
+    python bench/overhead.py [--seeds 0 1 2] [--max-steps 1500]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+
+import torch
+
+from jetrl.bus.log import configure
+from jetrl.bus.server import EmbeddedServer
+from jetrl.consumers.trainer.engine import make_train_engine
+from jetrl.deploy.config import RunConfig, load_config
+from jetrl.deploy.supervisor import Supervisor
+from jetrl.policy.loss import group_advantages
+from jetrl.policy.sampling import SamplingConfig, generate, inference_copy
+from jetrl.policy.tokenizer import make_tokenizer
+from jetrl.policy.train import Rollout
+from jetrl.policy.weights import load_into
+from jetrl.producers.environments import make_environment
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def one_process(cfg: RunConfig, root: Path, threads: int) -> tuple[float | None, int]:
+    """Seconds to the reward target (None if not reached) and the steps taken."""
+    t0 = time.perf_counter()
+    part = cfg.trainer_part(root)
+    part = part.model_copy(update={"trainer": part.trainer.model_copy(update={"threads": threads})})
+    engine = make_train_engine(part)
+    model: torch.nn.Module = engine.model  # type: ignore[attr-defined]  # the local engine's
+    sampler = inference_copy(model, cfg.inference.precision)
+    (producer,) = cfg.producer_parts()
+    env_cfg = producer.env
+    tok = make_tokenizer(cfg.model.tokenizer)
+    env = make_environment(env_cfg.env_kind, tok, **env_cfg.params)
+    rng = random.Random(producer.seed * 7919)
+    generator = torch.Generator().manual_seed(cfg.run.seed)
+    window: deque[float] = deque(maxlen=cfg.trainer.reward_window)
+    target = cfg.trainer.stop_at_reward
+    for step in range(cfg.trainer.max_steps):
+        tasks = [env.make_task(rng) for _ in range(cfg.trainer.batch_groups)]
+        prompts = [t.prompt_tokens for t in tasks for _ in range(env_cfg.group_size)]
+        sampling = SamplingConfig(
+            max_tokens=max(t.max_tokens for t in tasks),
+            temperature=env_cfg.temperature,
+            top_p=cfg.inference.top_p,
+            stop_token_ids=tok.stop_ids,
+        )
+        gens = generate(sampler, prompts, sampling, generator=generator)
+        rewards = torch.tensor(
+            [
+                env.score(tasks[i // env_cfg.group_size].info, g.completion_ids).reward
+                for i, g in enumerate(gens)
+            ],
+            dtype=torch.float32,
+        )
+        groups = torch.arange(len(gens)) // env_cfg.group_size
+        adv = group_advantages(rewards, groups, std_scale=cfg.trainer.std_scale_advantages)
+        engine.step(
+            [
+                Rollout(g.prompt_ids, g.completion_ids, g.logprobs, float(adv[i]), routing=g.routing)
+                for i, g in enumerate(gens)
+            ]
+        )
+        load_into(sampler, model.state_dict())
+        window.append(float(rewards.mean()))
+        if target is not None and len(window) == window.maxlen and sum(window) / len(window) >= target:
+            return time.perf_counter() - t0, step + 1
+    return None, cfg.trainer.max_steps
+
+
+def with_jetrl(cfg: RunConfig, url: str, root: Path, run_id: str) -> tuple[float | None, int]:
+    sup = Supervisor(cfg, run_id, root / run_id, nats_url=url, quiet=True)
+    t0 = time.monotonic()
+    asyncio.run(sup.run())
+    steps = sup.progress.steps
+    report = sup.progress.report
+    if not steps:
+        return None, 0
+    reached = report.summary().get("reward_last10", 0.0) >= (cfg.trainer.stop_at_reward or 2.0)
+    # Step times count from the supervisor's start, like the one-process loop's from its own.
+    elapsed = steps[-1]["t"] + (sup.progress.started - t0)
+    return (elapsed if reached else None), len(steps)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--max-steps", type=int, default=1500)
+    ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    args = ap.parse_args()
+    configure("warning")
+    rows: list[tuple[int, float | None, int, float | None, int]] = []
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedServer(Path(tmp) / "nats") as srv:
+        for seed in args.seeds:
+            over = ["--run.seed", str(seed), "--trainer.max_steps", str(args.max_steps)]
+            cfg = load_config(ROOT / "configs" / "demo.toml", [*over, "--store.recorder", "false"])
+            one_s, one_n = one_process(cfg, Path(tmp), args.threads)
+            print(f"seed {seed}: one process    {_t(one_s)} in {one_n} steps", flush=True)
+            jet_s, jet_n = with_jetrl(cfg, srv.url, Path(tmp), f"overhead-{seed}")
+            print(f"seed {seed}: jetrl run      {_t(jet_s)} in {jet_n} steps", flush=True)
+            rows.append((seed, one_s, one_n, jet_s, jet_n))
+    print()
+    print(f"{'seed':>4} {'one process':>14} {'jetrl run':>14} {'ratio':>7}")
+    ratios = []
+    for seed, one_s, one_n, jet_s, jet_n in rows:
+        ratio = jet_s / one_s if one_s and jet_s else None
+        if ratio is not None:
+            ratios.append(ratio)
+        shown = f"{ratio:.2f}x" if ratio is not None else "-"
+        print(f"{seed:>4} {_t(one_s):>8} ({one_n:>4}) {_t(jet_s):>8} ({jet_n:>4}) {shown:>7}")
+    print(f"(one process: {args.threads} torch threads; jetrl run: the demo's parts on the same cores)")
+    print()
+    if ratios:
+        print(
+            f"overhead jetrl/one-process {statistics.median(ratios):.2f}x median of {len(ratios)} seeds "
+            "(target <= 1.0x, floor 1.5x)"
+        )
+    else:
+        print("overhead jetrl/one-process: not measured (no seed reached the target in both; too few steps)")
+
+
+def _t(s: float | None) -> str:
+    return f"{s:.1f} s" if s is not None else "not reached"
+
+
+if __name__ == "__main__":
+    main()
