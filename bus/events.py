@@ -120,9 +120,12 @@ class RunStarted(EventBody, frozen=True):
     library_versions: dict[str, str] = {}
 
 
+RunStatus = Literal["completed", "failed", "cancelled"]
+
+
 class RunFinished(EventBody, frozen=True):
     TYPE: ClassVar[str] = "RunFinished"
-    status: Literal["completed", "failed", "cancelled"]
+    status: RunStatus
     steps: int
     reason: str = ""
 

@@ -200,15 +200,15 @@ class Supervisor:
         for p in chosen:
             p.finished = True  # stopped on purpose: not to be restarted
             with contextlib.suppress(ProcessLookupError):
-                p.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+                p.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]  # chosen: parts with a process
         deadline = time.monotonic() + timeout
         for p in chosen:
             try:
-                p.proc.wait(max(0.1, deadline - time.monotonic()))  # type: ignore[union-attr]
+                p.proc.wait(max(0.1, deadline - time.monotonic()))  # type: ignore[union-attr]  # chosen: parts with a process
             except subprocess.TimeoutExpired:
                 self.log.warning("part_killed", part=p.name)
-                p.proc.kill()  # type: ignore[union-attr]
-                p.proc.wait()  # type: ignore[union-attr]
+                p.proc.kill()  # type: ignore[union-attr]  # chosen: parts with a process
+                p.proc.wait()  # type: ignore[union-attr]  # chosen: parts with a process
 
     # ------------------------------------------------------------------ progress
 
@@ -238,6 +238,7 @@ class Supervisor:
             url = self.server.url
         (self.run_dir / "nats_url").write_text(url)  # for `jetrl gateway` and other clients
         bus = await Bus.connect(url, name="supervisor")
+        status: ev.RunStatus
         status, reason = "failed", ""
         follower: asyncio.Task[None] | None = None
         try:
@@ -308,7 +309,7 @@ class Supervisor:
             with contextlib.suppress(Exception):
                 await bus.publish(
                     ev.new_event(
-                        ev.RunFinished(status=status, steps=steps, reason=reason),  # type: ignore[arg-type]
+                        ev.RunFinished(status=status, steps=steps, reason=reason),
                         run_id=self.run_id,
                         event_id=ids.run_finished_id(self.run_id, status, steps),
                     )
