@@ -21,7 +21,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -93,8 +93,8 @@ class ModelConfig:
     def num_moe_layers(self) -> int:
         return self.n_layers if self.is_moe else 0
 
-    def replace(self, **changes: object) -> ModelConfig:
-        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
 
 
 # Small configs run on a laptop CPU; the published sizes are config entries for GPU trainers
@@ -186,11 +186,11 @@ class KVCache:
         return k, v
 
 
-class CachedSDPA(ScaledDotProductAttention):
+class CachedSDPA(ScaledDotProductAttention):  # type: ignore[misc]  # torchtitan ships no types
     """torchtitan's causal SDPA for training; masked SDPA over a :class:`KVCache` for generation."""
 
     @dataclass(kw_only=True, slots=True)
-    class Config(ScaledDotProductAttention.Config):
+    class Config(ScaledDotProductAttention.Config):  # type: ignore[misc]  # torchtitan ships no types
         pass
 
     def forward(
@@ -206,9 +206,10 @@ class CachedSDPA(ScaledDotProductAttention):
         **kwargs: object,
     ) -> torch.Tensor:
         if attention_masks is None:
-            return super().forward(
+            causal: torch.Tensor = super().forward(
                 q_BLNH, k_BLNH, v_BLNH, scale=scale, enable_gqa=enable_gqa, is_causal=is_causal
             )
+            return causal
         if not isinstance(attention_masks, KVCache) or attention_masks.mask is None:
             raise TypeError("CachedSDPA takes attention_masks=None or a KVCache after begin()")
         k_all, v_all = attention_masks.extend(self, k_BLNH, v_BLNH)
@@ -227,7 +228,7 @@ def _normal(std: float) -> Callable[[torch.Tensor], torch.Tensor]:
     return partial(nn.init.normal_, mean=0.0, std=std)
 
 
-def _linear_init(std: float) -> dict[str, Callable]:
+def _linear_init(std: float) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     return {"weight": _normal(std), "bias": nn.init.zeros_}
 
 
@@ -328,7 +329,7 @@ def build_model(
         with torch.device(device):
             model = titan_cfg.build()
             model.init_states(buffer_device=torch.device(device))
-    model.jetrl_config = cfg  # type: ignore[attr-defined]
+    model.jetrl_config = cfg
     return model.to(dtype=dtype)
 
 

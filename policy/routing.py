@@ -26,6 +26,10 @@ import torch
 from torch import nn
 
 from jetrl.policy.models import ModelConfig, model_config, moe_routers
+from jetrl.policy.titan import TokenChoiceTopKRouter
+
+# What a torchtitan router's forward returns: gate weights, expert ids, scores.
+RouterOutput = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class TraceError(ValueError):
@@ -160,7 +164,7 @@ def capture_routing(model: nn.Module) -> Iterator[RoutingCapture]:
     handles = []
     for layer, router in enumerate(routers):
 
-        def hook(_mod: nn.Module, _args: object, out: tuple, layer: int = layer) -> None:
+        def hook(_mod: nn.Module, _args: object, out: RouterOutput, layer: int = layer) -> None:
             cap._record(layer, out[1])
 
         handles.append(router.register_forward_hook(hook))
@@ -182,7 +186,9 @@ def replay_routing(model: nn.Module, trace: torch.Tensor) -> Iterator[None]:
     handles = []
     for layer, router in enumerate(routers):
 
-        def hook(mod: nn.Module, _args: object, out: tuple, layer: int = layer) -> tuple:
+        def hook(
+            mod: TokenChoiceTopKRouter, _args: object, out: RouterOutput, layer: int = layer
+        ) -> RouterOutput:
             _, own_ids, scores = out
             ids = ids_all[:, :, layer].to(own_ids.device).contiguous()
             if ids.shape != own_ids.shape:

@@ -15,6 +15,8 @@ import importlib.util
 import sys
 import types
 import warnings
+from collections.abc import Callable
+from typing import NoReturn
 
 _KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"
 
@@ -25,11 +27,11 @@ def _install_kernel_stub() -> bool:
     stub = types.ModuleType(_KERNELS)
     stub.__doc__ = "jetrl stand-in: MinimalAsyncEP needs triton and a GPU."
 
-    def __getattr__(name: str):
+    def __getattr__(name: str) -> Callable[..., NoReturn]:
         if name.startswith("__"):
             raise AttributeError(name)
 
-        def unavailable(*_args, **_kwargs):
+        def unavailable(*_args: object, **_kwargs: object) -> NoReturn:
             raise RuntimeError(
                 f"torchtitan MinimalAsyncEP kernel {name!r} needs triton and a CUDA GPU; "
                 "use the 'standard' MoE comm backend on this machine"
@@ -37,7 +39,7 @@ def _install_kernel_stub() -> bool:
 
         return unavailable
 
-    stub.__getattr__ = __getattr__  # type: ignore[method-assign]
+    vars(stub)["__getattr__"] = __getattr__  # a module-level __getattr__ (PEP 562)
     sys.modules[_KERNELS] = stub
     return True
 

@@ -74,7 +74,7 @@ def state_dict_of(model_or_tensors: nn.Module | Tensors) -> dict[str, torch.Tens
 
 def _raw_bytes(t: torch.Tensor) -> memoryview:
     flat = t.detach().cpu().contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    return flat.view(torch.uint8).numpy().data if flat.numel() else memoryview(b"")
 
 
 def checksum(tensors: nn.Module | Tensors) -> str:
@@ -180,7 +180,8 @@ def to_hf(weights: nn.Module | Tensors, model_cfg: Any) -> dict[str, torch.Tenso
     from jetrl.policy.titan import Qwen3StateDictAdapter
 
     adapter = Qwen3StateDictAdapter(to_titan_config(model_cfg), None)
-    return adapter.to_hf(state_dict_of(weights))
+    hf: dict[str, torch.Tensor] = adapter.to_hf(state_dict_of(weights))
+    return hf
 
 
 def from_hf(hf_tensors: Tensors, model_cfg: Any) -> dict[str, torch.Tensor]:
@@ -188,4 +189,5 @@ def from_hf(hf_tensors: Tensors, model_cfg: Any) -> dict[str, torch.Tensor]:
     from jetrl.policy.titan import Qwen3StateDictAdapter
 
     adapter = Qwen3StateDictAdapter(to_titan_config(model_cfg), None)
-    return adapter.from_hf(dict(hf_tensors))
+    titan: dict[str, torch.Tensor] = adapter.from_hf(dict(hf_tensors))
+    return titan
