@@ -61,7 +61,7 @@ def part_main(
     settings_model: type[T],
     client_name: Callable[[argparse.Namespace, T], str],
     body: Callable[[Bus, argparse.Namespace, T, asyncio.Event], Awaitable[int | None]],
-    options: Callable[[argparse.ArgumentParser], None] | None = None,
+    options: Callable[[argparse.ArgumentParser], object] | None = None,
 ) -> int:
     """The entry point of a part (``python -m jetrl.<part> --nats-url URL --run RUN
     [--settings JSON]`` plus its ``options``): parse, connect, run ``body`` until stopped."""

@@ -73,7 +73,10 @@ async def play(url: str, run_id: str, groups: int, group_size: int, seq_len: int
                 reward=float(rng.random()),
                 policy_version_start=version,
                 policy_version_end=version,
-                **refs,
+                prompt_tokens=refs["prompt_tokens"],
+                completion_tokens=refs["completion_tokens"],
+                logprobs=refs["logprobs"],
+                routing_trace=refs["routing_trace"],
             )
             await pub.publish(ev.new_event(body, run_id=run_id, tenant=tenant, causation_id=task.event_id))
             rollouts += 1
@@ -116,11 +119,11 @@ async def play(url: str, run_id: str, groups: int, group_size: int, seq_len: int
 
     stop = asyncio.Event()
     t1 = time.perf_counter()
-    task = asyncio.create_task(consumer.run(handle, batch=64, fetch_timeout=0.5, stop=stop))
+    consuming = asyncio.create_task(consumer.run(handle, batch=64, fetch_timeout=0.5, stop=stop))
     while sum(seen.values()) < rollouts or consumer.stats.dead_lettered < 2:
         await asyncio.sleep(0.05)
     stop.set()
-    await task
+    await consuming
     consume_s = time.perf_counter() - t1
     await bus.publish(ev.new_event(ev.RunFinished(status="completed", steps=version), run_id=run_id))
     last = await bus.last_seq(run_id)
@@ -157,7 +160,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "bus-demo", help="play realistic rollout traffic through the event backbone (no model)"
     )

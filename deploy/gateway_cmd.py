@@ -18,7 +18,7 @@ from jetrl.bus.runtime import run_process
 from jetrl.producers.gateway import ChatGateway, GatewaySettings
 
 
-def add_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("gateway", help="serve a live run's policy over an OpenAI-compatible API")
     p.add_argument("run")
     p.add_argument("--runs-dir", default="runs")

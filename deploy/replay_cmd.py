@@ -110,7 +110,7 @@ def main(args: argparse.Namespace) -> int:
         return asyncio.run(replay(srv.url, args.run, run_dir, **kw))
 
 
-def add_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("replay", help="re-run training from the log and check every step's checksum")
     p.add_argument("run")
     p.add_argument(

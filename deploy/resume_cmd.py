@@ -36,7 +36,7 @@ def main(args: argparse.Namespace) -> int:
     return asyncio.run(sup.run())
 
 
-def add_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "resume",
         help="carry on a stopped run from its log",

@@ -25,7 +25,7 @@ def main(args: argparse.Namespace) -> int:
     return asyncio.run(sup.run())
 
 
-def add_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "run",
         help="run RL: embedded nats-server and SQLite unless told otherwise",

@@ -209,6 +209,7 @@ def _arrow_schema(table_name: str) -> Any:
     fields = []
     for c in sc.Base.metadata.tables[table_name].columns:
         t = c.type
+        at: pa.DataType
         if isinstance(t, sa.Boolean):
             at = pa.bool_()
         elif isinstance(t, sa.Integer):

@@ -193,7 +193,7 @@ class EnvProducer:
 
     async def next_turn(
         self,
-        d: Delivery,
+        d: Delivery[ev.GenerationCompleted],
         g: ev.GenerationCompleted,
         task: ev.TaskSubmitted,
         completion: list[int],
@@ -241,7 +241,7 @@ class EnvProducer:
 
     async def episode_rollout(
         self,
-        d: Delivery,
+        d: Delivery[ev.GenerationCompleted],
         g: ev.GenerationCompleted,
         episode: ev.EpisodeState,
         completion: list[int],

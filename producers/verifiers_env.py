@@ -44,7 +44,7 @@ def _needs_runtime(fn: Any) -> bool:
     return param is not None and param.default is inspect.Parameter.empty
 
 
-def _dotted_taskset(vf: Any, module_path: str) -> type:
+def _dotted_taskset(vf: Any, module_path: str) -> type[Any]:
     """A taskset named by a module path (``pkg.module``): verifiers' loader takes only
     top-level package ids (``owner/name`` from the hub, or an installed ``name``)."""
     module = importlib.import_module(module_path)
@@ -106,7 +106,7 @@ class VerifiersEnv(Environment):
                 f"taskset {taskset!r} scores with a runtime (rewards {needy}); the jetrl adapter "
                 "scores the conversation alone"
             )
-        self._pool: list[Any] | None = None  # a finite taskset's writable tasks
+        self._pool: list[Task] | None = None  # a finite taskset's writable tasks
         self._stream: Iterator[Any] | None = None  # an endless one
         self.skipped = 0  # tasks whose prompt the tokenizer cannot write
 

@@ -23,7 +23,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 # JSONB on PostgreSQL (queryable); JSON text elsewhere.
 Json = sa.JSON().with_variant(JSONB(), "postgresql")
-Float = sa.Double()
+Float: sa.Double[float] = sa.Double()
 RunId = sa.String(64)
 Id = sa.String(128)
 
@@ -257,9 +257,16 @@ class ConsumerOffset(Base):
     updated_at: Mapped[float] = mapped_column(Float)
 
 
+def table_of(model: type[Base]) -> sa.Table:
+    """A mapped class's table (typed as any FromClause by SQLAlchemy; ours are all tables)."""
+    table = model.__table__
+    assert isinstance(table, sa.Table)
+    return table
+
+
 # Tables holding a run's projection, in dependency-free dump order.
 PROJECTION_TABLES: tuple[sa.Table, ...] = tuple(
-    m.__table__  # type: ignore[misc]
+    table_of(m)
     for m in (Run, Task, Generation, Rollout, StepRollout, Step, PolicyVersion, Worker, DeadLetter)
 )
-OFFSETS: sa.Table = ConsumerOffset.__table__  # type: ignore[assignment]
+OFFSETS: sa.Table = table_of(ConsumerOffset)

@@ -54,14 +54,14 @@ class TitanEngine:
             k = 0
             for i in idx:
                 for _ in range(groups[i].n):
-                    g = gens[k]
+                    gen = gens[k]
                     k += 1
                     out[i].append(
                         Sample(
-                            completion_tokens=np.asarray(g.completion_ids, dtype=np.int32),
-                            logprobs=g.logprobs.numpy().astype(np.float32),
-                            finish_reason=g.finish_reason,
-                            routing_trace=None if g.routing is None else g.routing.numpy(),
+                            completion_tokens=np.asarray(gen.completion_ids, dtype=np.int32),
+                            logprobs=gen.logprobs.numpy().astype(np.float32),
+                            finish_reason=gen.finish_reason,
+                            routing_trace=None if gen.routing is None else gen.routing.numpy(),
                         )
                     )
         return out

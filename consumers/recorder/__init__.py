@@ -4,6 +4,7 @@ Run it as its own process: ``python -m jetrl.consumers.recorder --nats-url URL -
 '{"db": URL}'``.
 """
 
-from jetrl.consumers.recorder.recorder import DEFAULT_DURABLE, Lag, Recorder, RecorderStats
+from jetrl.consumers.recorder.recorder import Lag, Recorder, RecorderStats
+from jetrl.consumers.recorder.settings import DEFAULT_DURABLE
 
 __all__ = ["DEFAULT_DURABLE", "Lag", "Recorder", "RecorderStats"]
