@@ -28,8 +28,9 @@ async def test_20mb_routing_trace_round_trips_through_object_store(bus: Bus, run
     assert ref.size == trace.nbytes and ref.shape == trace.shape and ref.dtype == "uint8"
     # The reference rides in an event and comes back intact.
     e = ev.new_event(ev.WeightsReady(version=1, location=ref, weights_checksum="x"), run_id=run_id)
-    ref2 = ev.decode_event(ev.encode_event(e)).body.location  # type: ignore[attr-defined]
-    back = await pay.get_array(ref2)
+    ready = ev.decode_event(ev.encode_event(e)).body
+    assert isinstance(ready, ev.WeightsReady)
+    back = await pay.get_array(ready.location)
     assert back.dtype == np.uint8 and np.array_equal(back, trace)
 
 

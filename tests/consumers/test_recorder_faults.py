@@ -23,7 +23,7 @@ from jetrl.bus.server import EmbeddedServer
 from jetrl.consumers.recorder import Recorder
 from jetrl.store import dump, queries
 from jetrl.store.db import Store, open_store
-from tests.support.synthetic import check_projection, publish_events, synthetic_run
+from tests.support.synthetic import SyntheticRun, check_projection, publish_events, synthetic_run
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
 
@@ -64,7 +64,7 @@ async def wait_recorded(
     raise AssertionError(f"recorder stuck below seq {at_least}:\n{tail_of(log)}")
 
 
-async def publish_run_with_poison(bus: Bus, run_id: str, seed: int) -> tuple[object, int]:
+async def publish_run_with_poison(bus: Bus, run_id: str, seed: int) -> tuple[SyntheticRun, int]:
     run = synthetic_run(run_id, steps=20, seed=seed)
     third = len(run.events) // 3
     await publish_events(bus, run.events[:third])
@@ -91,7 +91,7 @@ async def test_sigkill_at_random_points_leaves_the_same_tables(
         assert head == published + 1 and lag.events == 0
         with store.read() as conn:
             reference = dump.dump_run(conn, run_id)
-            assert check_projection(conn, run, dead_letters=1) == []  # type: ignore[arg-type]
+            assert check_projection(conn, run, dead_letters=1) == []
         with store.write() as conn:
             dump.delete_run(conn, run_id)
 

@@ -39,6 +39,7 @@ def test_loss_matches_hand_computation():
     expected = _hand_loss([-1.0, -0.5, -2.0], [-1.2, -0.5, -1.0], [2.0] * 3, [True] * 3, 3, 0.1)
     assert loss.item() == pytest.approx(expected, rel=1e-6)
     loss.backward()
+    assert lp.grad is not None
     # d/d lp of (-r*A + c*k3) = -r*A + c*(1 - exp(ilp - lp)), divided by the token count
     r0 = math.exp(0.2)
     assert lp.grad[0, 0].item() == pytest.approx((-r0 * 2 + 0.1 * (1 - math.exp(-0.2))) / 3, rel=1e-5)
@@ -63,6 +64,7 @@ def test_masking_at_the_bounds_depends_on_advantage_sign():
     loss, m = rl_loss(lp, ilp, adv, mask, cfg)
     assert m["masked_frac"] == 0.5
     loss.backward()
+    assert lp.grad is not None
     kept = lp.grad != 0
     assert kept.tolist() == [[True, True, False, False], [True, True, False, False]]
     # The same ratios under a positive advantage are all inside (0.5, 2.0)
@@ -78,6 +80,7 @@ def test_extreme_and_padded_tokens_give_finite_gradients():
     mask = torch.tensor([[True, True, False]])
     loss, m = rl_loss(lp, ilp, torch.tensor([1.0]), mask, LossConfig(kl_coef=1.0))
     loss.backward()
+    assert lp.grad is not None
     assert torch.isfinite(loss) and torch.isfinite(lp.grad).all()
     assert m["masked_frac"] == 0.5
 

@@ -48,6 +48,7 @@ def test_collate_checks_traces(cfg):
     with pytest.raises(ValueError, match="inference_logprobs"):
         collate([Rollout([1], [2, 3], torch.zeros(3), 0.0)], cfg)
     b = collate([_rollout(2, 2, _trace(3, cfg)), _rollout(3, 3, _trace(5, cfg))], cfg)
+    assert b.routing is not None
     assert b.routing.shape == (2, 5, cfg.num_moe_layers, cfg.top_k)
 
 

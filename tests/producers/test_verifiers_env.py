@@ -6,6 +6,7 @@ import asyncio
 import random
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,12 +23,19 @@ def reply(text: str) -> list[int]:
     return TOK.encode(text, bos=False, eos=True)
 
 
-def score(env: VerifiersEnv, info: dict, completion: list[int]):
+def verifiers_env(**params: Any) -> VerifiersEnv:
+    """The environment as a producer builds it: by name."""
+    env = make_environment("verifiers", TOK, **params)
+    assert isinstance(env, VerifiersEnv)
+    return env
+
+
+def score(env: VerifiersEnv, info: dict[str, Any], completion: list[int]):
     return asyncio.run(env.areact(info, 0, completion))
 
 
 def test_tasks_come_from_the_taskset_and_its_rewards_score_them() -> None:
-    env = make_environment("verifiers", TOK)
+    env = verifiers_env()
     assert isinstance(env, VerifiersEnv)
     rng = random.Random(0)
     seen = set()
@@ -52,7 +60,7 @@ def test_tasks_come_from_the_taskset_and_its_rewards_score_them() -> None:
 def test_message_prompts_render_in_order_after_the_system_prompt() -> None:
     import verifiers.v1 as vf
 
-    env = make_environment("verifiers", TOK)
+    env = verifiers_env()
     msgs = [vf.SystemMessage(content="be brief"), vf.UserMessage(content="ab=")]
     assert env.render(vf.TaskData(prompt=msgs, system_prompt="sys")) == "sys be brief ab="
     assert env.render(vf.TaskData(prompt="ab=")) == "ab="
@@ -60,13 +68,13 @@ def test_message_prompts_render_in_order_after_the_system_prompt() -> None:
 
 def test_scoring_needs_only_the_event_info() -> None:
     """A restarted producer (a new environment object) scores what the old one handed out."""
-    t = make_environment("verifiers", TOK).make_task(random.Random(3))
-    fresh = make_environment("verifiers", TOK)
+    t = verifiers_env().make_task(random.Random(3))
+    fresh = verifiers_env()
     assert score(fresh, t.info, reply(t.info[TASK_KEY]["answer"])).reward == 1.0
 
 
 def test_bad_task_info_is_a_clear_error() -> None:
-    env = make_environment("verifiers", TOK)
+    env = verifiers_env()
     with pytest.raises(ValueError, match="ReverseData"):
         score(env, {TASK_KEY: {"prompt": "ab="}}, reply("ba"))  # no answer
     with pytest.raises(ValueError, match="ReverseData"):
@@ -102,7 +110,7 @@ def test_prompts_the_tokenizer_cannot_write_are_skipped_and_counted(
         __all__ = ["Mixed"]
         """,
     )
-    env = make_environment("verifiers", TOK, taskset=ts, max_tokens=3)
+    env = verifiers_env(taskset=ts, max_tokens=3)
     prompts = {env.make_task(random.Random(i)).prompt_text for i in range(30)}
     assert prompts == {"say ab=", "say cd="}  # the system prompt, then the prompt
     assert env.skipped == 2
@@ -130,7 +138,7 @@ def test_an_endless_taskset_is_read_in_order(tmp_path: Path, monkeypatch: pytest
         __all__ = ["Count"]
         """,
     )
-    env = make_environment("verifiers", TOK, taskset=ts)
+    env = verifiers_env(taskset=ts)
     rng = random.Random(0)
     assert [env.make_task(rng).prompt_text for _ in range(4)] == ["1=", "2=", "4=", "5="]
     assert env.skipped == 2
@@ -158,7 +166,7 @@ def test_a_reward_that_hangs_fails_the_scoring(tmp_path: Path, monkeypatch: pyte
         __all__ = ["Hangs"]
         """,
     )
-    env = make_environment("verifiers", TOK, taskset=ts, score_timeout_s=0.2)
+    env = verifiers_env(taskset=ts, score_timeout_s=0.2)
     t = env.make_task(random.Random(0))
     with pytest.raises(TimeoutError):
         score(env, t.info, reply("ba"))
@@ -166,7 +174,7 @@ def test_a_reward_that_hangs_fails_the_scoring(tmp_path: Path, monkeypatch: pyte
 
 def test_untrainable_tasksets_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ModuleNotFoundError, match="no_such_taskset"):
-        make_environment("verifiers", TOK, taskset="no_such_taskset")
+        verifiers_env(taskset="no_such_taskset")
     needs_box = write_taskset(
         tmp_path,
         monkeypatch,
@@ -187,7 +195,7 @@ def test_untrainable_tasksets_are_refused(tmp_path: Path, monkeypatch: pytest.Mo
         """,
     )
     with pytest.raises(ValueError, match="runtime"):
-        make_environment("verifiers", TOK, taskset=needs_box)
+        verifiers_env(taskset=needs_box)
     unwritable = write_taskset(
         tmp_path,
         monkeypatch,
@@ -202,7 +210,7 @@ def test_untrainable_tasksets_are_refused(tmp_path: Path, monkeypatch: pytest.Mo
         __all__ = ["Shout"]
         """,
     )
-    env = make_environment("verifiers", TOK, taskset=unwritable)
+    env = verifiers_env(taskset=unwritable)
     with pytest.raises(ValueError, match="no task of taskset"):
         env.make_task(random.Random(0))
 

@@ -102,7 +102,7 @@ def test_rebuild_proves_equality_and_catches_a_tampered_store(
     assert "identical" in capsys.readouterr().out
     # A store that drifted from its log is caught (and repaired by the rebuild).
     with open_store(db) as store, store.write() as conn:
-        t = sc.Rollout.__table__
+        t = sc.table_of(sc.Rollout)
         conn.execute(sa.update(t).where(t.c.run_id == run.run_id).values(reward=-1.0))
     assert args.func(args) == 1
     assert "DIFFERENT" in capsys.readouterr().out

@@ -7,6 +7,7 @@ from statistics import mean
 
 import pytest
 
+from jetrl.bus import events as ev
 from jetrl.store import queries
 from jetrl.store.db import Store
 from jetrl.store.projection import apply_batch
@@ -59,8 +60,8 @@ def test_step_history(store: Store, projected: SyntheticRun) -> None:
 
 def _withheld_step(run: SyntheticRun, rollout_id: str) -> int | None:
     for e in run.events:
-        if e.type == "RolloutWithheld" and e.body.rollout_id == rollout_id:  # type: ignore[attr-defined]
-            return e.body.trainer_step  # type: ignore[attr-defined]
+        if isinstance(e.body, ev.RolloutWithheld) and e.body.rollout_id == rollout_id:
+            return e.body.trainer_step
     return None
 
 
@@ -88,7 +89,11 @@ def test_tenant_and_env_stats(store: Store, projected: SyntheticRun) -> None:
 
 
 def test_step_rollouts_in_training_order(store: Store, projected: SyntheticRun) -> None:
-    seq_of = {e.body.rollout_id: i + 1 for i, e in enumerate(projected.events) if e.type == "RolloutScored"}  # type: ignore[attr-defined]
+    seq_of = {
+        e.body.rollout_id: i + 1
+        for i, e in enumerate(projected.events)
+        if isinstance(e.body, ev.RolloutScored)
+    }
     for step, st in projected.truth.steps.items():
         rows = queries.step_rollouts(store, "q", step)
         assert [r.rollout_id for r in rows] == st["rollout_ids"]

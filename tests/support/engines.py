@@ -11,7 +11,7 @@ import numpy as np
 
 from jetrl.bus import events as ev
 from jetrl.bus.payloads import Payloads
-from jetrl.consumers.inference.engine import GroupRequest, Sample
+from jetrl.consumers.inference.engine import FinishReason, GroupRequest, Sample
 from jetrl.consumers.inference.settings import InferencePart
 from jetrl.policy.tokenizer import CharTokenizer
 
@@ -37,7 +37,7 @@ class OracleEngine:
         out = []
         for g in groups:
             ids = self.answer(g.prompt_tokens)[: g.max_tokens]
-            reason = "stop" if ids[-1] in g.stop_token_ids else "length"
+            reason: FinishReason = "stop" if ids[-1] in g.stop_token_ids else "length"
             out.append([Sample(ids, np.zeros(len(ids), np.float32), reason) for _ in range(g.n)])
         return out
 

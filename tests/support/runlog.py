@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TypeVar
+
 from jetrl.bus import events as ev
 from jetrl.bus.client import Bus
+
+B = TypeVar("B", bound=ev.EventBody)
 
 
 async def read_log(url: str, run_id: str) -> list[ev.Event]:
@@ -15,3 +20,8 @@ async def read_log(url: str, run_id: str) -> list[ev.Event]:
     for item in items:
         assert item.event is not None, f"undecodable event at seq {item.seq}: {item.error}"
     return [item.event for item in items if item.event is not None]
+
+
+def bodies(log: Iterable[ev.Event], cls: type[B]) -> list[B]:
+    """The bodies of one type in a log, in log order."""
+    return [e.body for e in log if isinstance(e.body, cls)]

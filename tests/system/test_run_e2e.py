@@ -16,7 +16,7 @@ from jetrl.deploy.config import load_config
 from jetrl.deploy.supervisor import Supervisor
 from jetrl.store import queries
 from jetrl.store.db import open_store
-from tests.support.runlog import read_log
+from tests.support.runlog import bodies, read_log
 
 pytestmark = pytest.mark.slow
 
@@ -55,44 +55,42 @@ async def test_short_async_run_keeps_the_invariants(nats_server: EmbeddedServer,
     assert await sup.run() == 0
 
     log = await read_log(nats_server.url, run_id)
-    by_type: dict[str, list[ev.Event]] = {}
-    for e in log:
-        by_type.setdefault(e.type, []).append(e)
 
     # Versions are monotone, one per step, each with a checksum and readable weights.
-    versions = [e.body.version for e in by_type["PolicyVersionPublished"]]  # type: ignore[attr-defined]
+    published = bodies(log, ev.PolicyVersionPublished)
+    versions = [p.version for p in published]
     assert versions == list(range(STEPS + 1))
-    assert all(len(e.body.weights_checksum) == 64 for e in by_type["PolicyVersionPublished"])  # type: ignore[attr-defined]
-    steps = [e.body for e in by_type["StepCompleted"]]
-    assert [s.step for s in steps] == list(range(STEPS))  # type: ignore[attr-defined]
-    assert [s.policy_version for s in steps] == list(range(1, STEPS + 1))  # type: ignore[attr-defined]
+    assert all(len(p.weights_checksum) == 64 for p in published)
+    steps = bodies(log, ev.StepCompleted)
+    assert [s.step for s in steps] == list(range(STEPS))
+    assert [s.policy_version for s in steps] == list(range(1, STEPS + 1))
 
     # Every trained rollout was scored exactly once and trained in exactly one step.
-    scored = Counter(e.body.rollout_id for e in by_type["RolloutScored"])  # type: ignore[attr-defined]
+    scored = Counter(r.rollout_id for r in bodies(log, ev.RolloutScored))
     assert all(n == 1 for n in scored.values()), "a rollout was scored twice"
-    trained = Counter(rid for s in steps for rid in s.rollout_ids)  # type: ignore[attr-defined]
+    trained = Counter(rid for s in steps for rid in s.rollout_ids)
     assert all(n == 1 for n in trained.values()), "a rollout was trained twice"
     assert set(trained) <= set(scored)
-    withheld = {e.body.rollout_id for e in by_type.get("RolloutWithheld", [])}  # type: ignore[attr-defined]
+    withheld = {w.rollout_id for w in bodies(log, ev.RolloutWithheld)}
     assert not (withheld & set(trained)), "a withheld rollout was trained"
     # A finished run accounts for every rollout: trained, or withheld with its reason.
     assert set(scored) == set(trained) | withheld, "a scored rollout is neither trained nor withheld"
-    at_end = [e.body for e in by_type.get("RolloutWithheld", []) if e.body.reason == "run_finished"]  # type: ignore[attr-defined]
-    assert all(w.trainer_step == STEPS for w in at_end)  # type: ignore[attr-defined]
+    at_end = [w for w in bodies(log, ev.RolloutWithheld) if w.reason == "run_finished"]
+    assert all(w.trainer_step == STEPS for w in at_end)
     assert json.loads((tmp_path / run_id / "summary.json").read_text())["withheld_at_end"] == len(at_end)
-    assert sum(len(s.rollout_ids) for s in steps) == STEPS * 2 * 4  # type: ignore[attr-defined]
+    assert sum(len(s.rollout_ids) for s in steps) == STEPS * 2 * 4
 
     # Staleness is within the bound for every trained rollout.
-    start_version = {e.body.rollout_id: e.body.policy_version_start for e in by_type["RolloutScored"]}  # type: ignore[attr-defined]
+    start_version = {r.rollout_id: r.policy_version_start for r in bodies(log, ev.RolloutScored)}
     for s in steps:
-        for rid in s.rollout_ids:  # type: ignore[attr-defined]
-            assert 0 <= s.step - start_version[rid] <= MAX_OFF  # type: ignore[attr-defined]
+        for rid in s.rollout_ids:
+            assert 0 <= s.step - start_version[rid] <= MAX_OFF
 
     # Workers loaded the weights they announced; the run is framed by RunStarted/RunFinished.
-    assert by_type["WeightsLoaded"], "no worker reported loading weights"
-    assert by_type["RunStarted"][0].body.config["trainer"]["max_steps"] == STEPS  # type: ignore[attr-defined]
-    assert by_type["RunFinished"][-1].body.status == "completed"  # type: ignore[attr-defined]
-    assert "DeadLettered" not in by_type
+    assert bodies(log, ev.WeightsLoaded), "no worker reported loading weights"
+    assert bodies(log, ev.RunStarted)[0].config["trainer"]["max_steps"] == STEPS
+    assert bodies(log, ev.RunFinished)[-1].status == "completed"
+    assert not bodies(log, ev.DeadLettered)
 
     # The store holds every step, and the run directory its artefacts.
     store = open_store(sup.db_url)
@@ -160,7 +158,8 @@ async def test_multi_turn_episodes_train_as_one_masked_rollout(
     bus = await Bus.connect(nats_server.url)
     pay = Payloads(await ObjectStorePayloads.for_run(bus.js, run_id))
     for r in scored[:8]:
-        mask = (await pay.get_array(r.completion_mask)).tolist()  # type: ignore[arg-type]
+        assert r.completion_mask is not None
+        mask = (await pay.get_array(r.completion_mask)).tolist()
         lps = (await pay.get_array(r.logprobs)).tolist()
         tokens = (await pay.get_array(r.completion_tokens)).tolist()
         assert 0 in mask and mask[0] == 1 and mask[-1] == 1 and len(mask) == len(tokens) == len(lps)
