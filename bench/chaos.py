@@ -25,6 +25,7 @@ import tempfile
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
+from typing import TypedDict
 
 from jetrl.bus import events as ev
 from jetrl.bus import subjects
@@ -70,7 +71,23 @@ async def deliverable_to_trainer(url: str, run_id: str) -> set[str]:
     return out
 
 
-async def chaos(root: Path, steps: int, kills: int, seed: int) -> dict[str, object]:
+class ChaosResult(TypedDict):
+    status: int
+    steps: int
+    steps_contiguous: bool
+    injected: list[tuple[str, float, int]]  # (victim, time, steps done at the kill)
+    recovery: dict[str, list[float]]  # seconds from a kill to the next step, per kind of part
+    scored: int
+    trained: int
+    withheld: int
+    pending: int
+    lost: int
+    trained_twice: int
+    replay_verified: bool
+    restarts: dict[str, int]
+
+
+async def chaos(root: Path, steps: int, kills: int, seed: int) -> ChaosResult:
     run_id = "chaos"
     cfg = load_config(
         None,
@@ -174,7 +191,7 @@ def main() -> None:
         r = asyncio.run(chaos(Path(tmp), args.steps, args.kills, args.seed))
     wall = time.perf_counter() - t0
     injected = r["injected"]
-    by_part = Counter(v for v, _, _ in injected)  # type: ignore[union-attr]
+    by_part = Counter(v for v, _, _ in injected)
     print()
     print(
         f"run: {r['steps']} steps (contiguous: {r['steps_contiguous']}), "
@@ -186,12 +203,12 @@ def main() -> None:
     )
     print(f"restarts seen by the supervisor: {r['restarts']}")
     print(f"{'part':<22}{'kills':>6}{'recovery median':>17}{'max':>8}")
-    for part, times in sorted(r["recovery"].items()):  # type: ignore[union-attr]
+    for part, times in sorted(r["recovery"].items()):
         kills = sum(n for v, n in by_part.items() if v.startswith(part))
         print(f"{part:<22}{kills:>6}{statistics.median(times):>16.1f}s{max(times):>7.1f}s")
     print()
-    print(f"faults injected {len(injected)} over {len(by_part)} kinds of part (target >= 20)")  # type: ignore[arg-type]
-    all_times = [t for ts in r["recovery"].values() for t in ts]  # type: ignore[union-attr]
+    print(f"faults injected {len(injected)} over {len(by_part)} kinds of part (target >= 20)")
+    all_times = [t for ts in r["recovery"].values() for t in ts]
     if all_times:
         print(f"recovery time median {statistics.median(all_times):.1f} s, max {max(all_times):.1f} s")
     print(f"rollouts lost {r['lost']} (target 0)")

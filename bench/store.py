@@ -31,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import argparse
 import asyncio
 import multiprocessing as mp
+import multiprocessing.queues
+import multiprocessing.synchronize
 import tempfile
 import time
 import uuid
@@ -157,8 +159,13 @@ def baseline_insert(source: Store, db_url: str, batch: int) -> tuple[float, int]
 
 
 def _publisher(
-    nats_url: str, run_id: str, rate: float, seconds: float, ready: mp.Event, out: mp.Queue
-) -> None:  # type: ignore[type-arg]
+    nats_url: str,
+    run_id: str,
+    rate: float,
+    seconds: float,
+    ready: multiprocessing.synchronize.Event,
+    out: multiprocessing.queues.Queue[tuple[int, float]],
+) -> None:
     async def go() -> None:
         run = synthetic_run(run_id, steps=max(1, int(rate * seconds) // EVENTS_PER_STEP + 1), seed=8)
         events = run.events[: int(rate * seconds)]
