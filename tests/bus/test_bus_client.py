@@ -310,3 +310,33 @@ async def test_a_consumer_takes_its_body_type_and_passes_over_skipped_types(bus:
     assert c.stats.dead_lettered == 1 and c.stats.by_reason == {"invalid": 1}
     dead = [i.event.body for i in await bus.read_log(run_id) if i.event and i.event.type == "DeadLettered"]
     assert [d.original_type for d in dead] == ["PolicyVersionPublished"]  # type: ignore[union-attr]
+
+
+async def test_large_events_arrive_once_without_waiting_out_an_ack_wait(bus: Bus, run_id: str) -> None:
+    """2,500 events of 64 KiB fetched 256 at a time: each is delivered once, none waits out the
+    ack wait (60 s; the reader gives up at 40 s). Requests that left more than the server's
+    64 MiB per-client buffer in flight got the connection closed as a slow consumer, and what
+    it carried came back only after the ack wait."""
+    n = 2500
+    tokens = list(range(16_000))  # ~64 KiB of msgpack per event
+    pub = bus.publisher(max_inflight=64)
+    for i in range(n):
+        body = ev.TaskSubmitted(task_id=f"big.t.{i}", env="big", group_size=2, prompt_tokens=tokens)
+        await pub.publish(ev.new_event(body, run_id=run_id))
+    await pub.flush()
+    spec = ConsumerSpec(
+        run_id=run_id,
+        durable="big",
+        filter_subjects=[subjects.task_subject(run_id)],
+        ack_wait=60.0,
+        max_ack_pending=4096,
+    )
+    c = await bus.consumer(spec, ev.TaskSubmitted)
+    got: dict[str, int] = {}
+    deadline = asyncio.get_running_loop().time() + 40.0
+    while len(got) < n and asyncio.get_running_loop().time() < deadline:
+        for d in await c.fetch(256, timeout=5.0):
+            got[d.body.task_id] = max(got.get(d.body.task_id, 0), d.num_delivered)
+            await d.ack()
+    assert len(got) == n, f"{n - len(got)} of {n} events did not arrive within 40 s"
+    assert set(got.values()) == {1}, "an event was delivered twice"
