@@ -12,7 +12,9 @@ Workloads: small events (heartbeats, ~150 B) and rollout-sized events (RolloutSc
 8k-token completion, its logprobs and a 512-token prompt inline, ~66 KB). Rounds alternate
 which side goes first; medians are reported, with jetrl/raw ratios.
 
-    python bench/bus.py [--small 20000] [--large 2000] [--rounds 3]
+    python bench/bus.py [--small 20000] [--large 2000] [--rounds 3] [--load N]
+
+``--load N`` runs it all beside N busy CPU processes (bench/load.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 
 import msgspec
 import numpy as np
+from load import cpu_load
 from nats.js import api
 
 from jetrl.bus import events as ev
@@ -184,9 +187,11 @@ async def main() -> None:
     ap.add_argument("--small", type=int, default=20_000)
     ap.add_argument("--large", type=int, default=2_000)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--load", type=int, default=0, help="busy CPU processes running beside the bench")
     args = ap.parse_args()
     configure(level="warning")
-    with tempfile.TemporaryDirectory() as tmp, EmbeddedServer(tmp) as srv:
+    loaded = f" (load {args.load})" if args.load else ""
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedServer(tmp) as srv, cpu_load(args.load):
         bus = await Bus.connect(srv.url, name="bench", max_inflight=WINDOW)
         run_id = "benchbus"
         await bus.ensure_run(run_id, LIMITS)
@@ -203,7 +208,7 @@ async def main() -> None:
     for name, out in results.items():
         for path, label in (("pub", "publish"), ("con", "consume")):
             ratio = out[f"{path}_jetrl"].events_s / out[f"{path}_raw"].events_s
-            print(f"{label} ratio {name} {ratio:.2f} (target >= 0.8)")
+            print(f"{label} ratio {name}{loaded} {ratio:.2f} (target >= 0.8)")
 
 
 if __name__ == "__main__":
