@@ -2,9 +2,9 @@
 
 jetrl does not define its own transformer. A :class:`ModelConfig` is turned into a torchtitan
 ``Qwen3Model.Config`` with torchtitan's public config helpers (``make_gqa_config``,
-``make_moe_config``, ...) and built by torchtitan. The one jetrl module in the tree is the
-inner attention on CPU, :class:`CachedSDPA`, a subclass of torchtitan's
-``ScaledDotProductAttention``:
+``make_moe_config``, ...) and built by torchtitan. Two jetrl modules take slots of torchtitan's
+config: the experts, :class:`ExpertsInWeightDtype` (below), and the inner attention on CPU,
+:class:`CachedSDPA`, a subclass of torchtitan's ``ScaledDotProductAttention``:
 
 * torchtitan 0.3.0 only offers flex/varlen for language models; flex has no backward on CPU and
   varlen is CUDA-only. Our rollouts are one document per row (right-padded for training), so
@@ -12,6 +12,11 @@ inner attention on CPU, :class:`CachedSDPA`, a subclass of torchtitan's
 * For generation it also accepts a :class:`KVCache` through the model's ``attention_masks``
   argument, so each position is computed exactly once. That makes the routing trace well defined
   (a token's experts are chosen once, in the forward that produced the next token).
+
+torchtitan's ``GroupedExperts`` casts tokens and expert weights to bf16 for its grouped GEMMs
+whatever the model's dtype, so an fp32 trainer would compute its experts in bf16 (on CPUs
+without bf16 instructions also 13x slower). :class:`ExpertsInWeightDtype` computes them in the
+dtype of the weights: fp32 in the trainer, the inference precision in an inference copy.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from torch import nn
 from jetrl.policy.titan import (
     CosSinRoPE,
     Embedding,
+    GroupedExperts,
     Linear,
     MoE,
     Qwen3Model,
@@ -224,6 +230,27 @@ class CachedSDPA(ScaledDotProductAttention):  # type: ignore[misc]  # torchtitan
         return out.transpose(1, 2)
 
 
+class ExpertsInWeightDtype(GroupedExperts):  # type: ignore[misc]  # torchtitan ships no types
+    """torchtitan's grouped SwiGLU experts, their GEMMs (still ``_grouped_mm``, torchtitan's
+    seam for other kernels) in the dtype of the expert weights instead of always bf16."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(GroupedExperts.Config):  # type: ignore[misc]  # torchtitan ships no types
+        pass
+
+    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        weights = [
+            w.to_local() if hasattr(w, "to_local") else w for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD)
+        ]
+        w1, w2, w3 = (w.transpose(-2, -1) for w in weights)
+        offsets = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+        x = x_RD.to(w1.dtype)
+        gate = F.silu(self._grouped_mm(A=x, B_t=w1, offs=offsets))
+        hidden = gate * self._grouped_mm(A=x, B_t=w3, offs=offsets)
+        out: torch.Tensor = self._grouped_mm(A=hidden, B_t=w2, offs=offsets)
+        return out.type_as(x_RD)
+
+
 def _normal(std: float) -> Callable[[torch.Tensor], torch.Tensor]:
     return partial(nn.init.normal_, mean=0.0, std=std)
 
@@ -277,6 +304,20 @@ def to_titan_config(cfg: ModelConfig) -> Qwen3Model.Config:
                     top_k=cfg.top_k,
                     param_init={"w1_EFD": _normal(std), "w3_EFD": _normal(std), "w2_EDF": _normal(out_std)},
                     comm_backend="standard",
+                ),
+            )
+            routed = moe.routed_experts
+            grouped = routed.inner_experts
+            moe = dataclasses.replace(
+                moe,
+                routed_experts=dataclasses.replace(
+                    routed,
+                    inner_experts=ExpertsInWeightDtype.Config(
+                        dim=grouped.dim,
+                        hidden_dim=grouped.hidden_dim,
+                        num_experts=grouped.num_experts,
+                        param_init=grouped.param_init,
+                    ),
                 ),
             )
         else:

@@ -60,7 +60,7 @@ from torchtitan.models.common.config_utils import (  # noqa: E402
     make_routed_experts_config,
     make_router_config,
 )
-from torchtitan.models.common.moe import MoE, TokenChoiceTopKRouter  # noqa: E402
+from torchtitan.models.common.moe import GroupedExperts, MoE, TokenChoiceTopKRouter  # noqa: E402
 from torchtitan.models.common.nn_modules import RMSNorm  # noqa: E402
 from torchtitan.models.qwen3 import Qwen3Model, qwen3_configs  # noqa: E402
 from torchtitan.models.qwen3.model import Qwen3TransformerBlock  # noqa: E402
@@ -71,6 +71,7 @@ __all__ = [
     "KERNEL_STUB_INSTALLED",
     "CosSinRoPE",
     "Embedding",
+    "GroupedExperts",
     "Linear",
     "MoE",
     "Module",

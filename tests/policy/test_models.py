@@ -1,16 +1,19 @@
+import copy
+
 import pytest
 import torch
 
 from jetrl.policy.models import (
     CONFIGS,
     CachedSDPA,
+    ExpertsInWeightDtype,
     KVCache,
     build_model,
     get_config,
     moe_routers,
     to_titan_config,
 )
-from jetrl.policy.titan import TokenChoiceTopKRouter, qwen3_configs
+from jetrl.policy.titan import GroupedExperts, TokenChoiceTopKRouter, qwen3_configs
 
 
 def test_tiny_moe_is_torchtitan_qwen3(model, cfg):
@@ -93,3 +96,31 @@ def test_config_validation():
         get_config("tiny-moe", top_k=9)
     with pytest.raises(KeyError, match="unknown model config"):
         get_config("nope")
+
+
+def test_experts_compute_in_the_dtype_of_their_weights() -> None:
+    """torchtitan's grouped experts cast to bf16 whatever the model's dtype; jetrl's compute in
+    the weights' dtype: fp32 for the trainer (to fp32 rounding), bf16 in a bf16 copy."""
+    model = build_model(get_config("tiny-moe"), seed=0)
+    experts = next(m for m in model.modules() if isinstance(m, ExpertsInWeightDtype))
+    counts = torch.tensor([3, 0, 5, 1, 2, 0, 4, 1])
+    x = torch.randn(int(counts.sum()), experts.w1_EFD.shape[-1], generator=torch.Generator().manual_seed(0))
+
+    def reference(x: torch.Tensor) -> torch.Tensor:
+        rows, start = [], 0
+        for e, n in enumerate(counts.tolist()):
+            xe = x[start : start + n].double()
+            w1, w2, w3 = (w[e].double() for w in (experts.w1_EFD, experts.w2_EDF, experts.w3_EFD))
+            rows.append((torch.nn.functional.silu(xe @ w1.T) * (xe @ w3.T)) @ w2.T)
+            start += n
+        return torch.cat(rows)
+
+    with torch.no_grad():
+        ref = reference(x)
+        out = experts(x, counts)
+        assert out.dtype == torch.float32
+        assert (out.double() - ref).abs().max() < 1e-5 * ref.abs().max()
+        in_bf16 = GroupedExperts.forward(experts, x, counts)  # torchtitan's own cast
+        assert (in_bf16.double() - ref).abs().max() > 1e-4 * ref.abs().max()
+        half = copy.deepcopy(experts).to(torch.bfloat16)
+        assert half(x.bfloat16(), counts).dtype == torch.bfloat16
