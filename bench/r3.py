@@ -19,14 +19,16 @@ import random
 import time
 
 import torch
+from torch import nn
 
 from jetrl.policy.loss import LossConfig, group_advantages, mismatch_stats
 from jetrl.policy.models import build_model, get_config
 from jetrl.policy.routing import capture_routing
-from jetrl.policy.sampling import SamplingConfig, generate, inference_copy
+from jetrl.policy.sampling import Generation, SamplingConfig, generate, inference_copy
 from jetrl.policy.tokenizer import CharTokenizer
 from jetrl.policy.train import (
     Rollout,
+    TrainBatch,
     collate,
     compute_logprobs,
     make_optimizer,
@@ -48,7 +50,7 @@ def reward(tok: CharTokenizer, completion: list[int], target: str) -> float:
     return hits / max(len(target), len(text), 1)
 
 
-def sft_warmup(model, tok, rng, steps: int, batch: int) -> float:
+def sft_warmup(model: nn.Module, tok: CharTokenizer, rng: random.Random, steps: int, batch: int) -> float:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=False)
     loss = torch.tensor(0.0)
     for _ in range(steps):
@@ -70,7 +72,15 @@ def sft_warmup(model, tok, rng, steps: int, batch: int) -> float:
     return float(loss.detach())
 
 
-def rollouts(model, tok, rng, gen, n_prompts: int, group: int, max_tokens: int):
+def rollouts(
+    model: nn.Module,
+    tok: CharTokenizer,
+    rng: random.Random,
+    gen: torch.Generator,
+    n_prompts: int,
+    group: int,
+    max_tokens: int,
+) -> tuple[list[Generation], torch.Tensor, nn.Module]:
     inf = inference_copy(model, "bf16")
     prompts, targets = [], []
     for _ in range(n_prompts):
@@ -84,12 +94,13 @@ def rollouts(model, tok, rng, gen, n_prompts: int, group: int, max_tokens: int):
     return gens, rewards, inf
 
 
-def routing_flip_rate(model, batch) -> float:
+def routing_flip_rate(model: nn.Module, batch: TrainBatch) -> float:
     """Share of (token, MoE layer) decisions where the fp32 trainer's own top-k set differs from
     the recorded bf16 one."""
     with torch.no_grad(), capture_routing(model) as cap:
         model(batch.input_ids[:, :-1])
         own = cap.take().long().sort(-1).values
+    assert batch.routing is not None  # an MoE model's rollouts carry their traces
     rec = batch.routing.sort(-1).values
     valid = torch.zeros(batch.routing.shape[:2], dtype=torch.bool)
     for i in range(valid.shape[0]):

@@ -13,8 +13,8 @@ from jetrl.bus.server import EmbeddedServer
 from tests.support.catalog_samples import sample_bodies
 
 
-async def drain(consumer, expect: int, *, timeout: float = 10.0) -> list[Delivery]:
-    got: list[Delivery] = []
+async def drain(consumer, expect: int, *, timeout: float = 10.0) -> list[Delivery[ev.EventBody]]:
+    got: list[Delivery[ev.EventBody]] = []
     deadline = asyncio.get_running_loop().time() + timeout
     while len(got) < expect and asyncio.get_running_loop().time() < deadline:
         for d in await consumer.fetch(64, timeout=0.5):
@@ -26,8 +26,8 @@ async def drain(consumer, expect: int, *, timeout: float = 10.0) -> list[Deliver
 async def dead_letters(bus: Bus, run_id: str, expect: int) -> list[ev.DeadLettered]:
     out: list[ev.DeadLettered] = []
     async for item in bus.tail(run_id, filter_subject=subjects.dlq_subject(run_id, "*"), idle_timeout=2.0):
-        assert item.event is not None
-        out.append(item.event.body)  # type: ignore[arg-type]
+        assert item.event is not None and isinstance(item.event.body, ev.DeadLettered)
+        out.append(item.event.body)
         if len(out) >= expect:
             break
     return out
@@ -252,7 +252,8 @@ async def test_tail_from_any_point(bus: Bus, run_id: str) -> None:
         )
     items = [it async for it in bus.tail(run_id, from_seq=6, idle_timeout=1.0)]
     assert [it.seq for it in items] == [6, 7, 8, 9, 10]
-    assert [it.event.body.step for it in items] == [5, 6, 7, 8, 9]  # type: ignore[union-attr]
+    steps = [it.event.body for it in items if it.event and isinstance(it.event.body, ev.StepCompleted)]
+    assert [s.step for s in steps] == [5, 6, 7, 8, 9]
 
 
 async def test_tail_to_head_ends_where_the_log_ends(bus: Bus, run_id: str) -> None:
@@ -265,9 +266,10 @@ async def test_tail_to_head_ends_where_the_log_ends(bus: Bus, run_id: str) -> No
         )
         await bus.publish(ev.new_event(ev.RunFinished(status="completed", steps=i), run_id=run_id))
 
-    async def read(**kw: object) -> list[int]:
+    async def read(filter_subject: str | None = None, from_seq: int | None = None) -> list[int]:
         async def go() -> list[int]:
-            return [it.seq async for it in bus.tail(run_id, to_head=True, **kw)]  # type: ignore[arg-type]
+            tail = bus.tail(run_id, from_seq=from_seq, filter_subject=filter_subject, to_head=True)
+            return [it.seq async for it in tail]
 
         return await asyncio.wait_for(go(), timeout=20)
 
@@ -308,8 +310,12 @@ async def test_a_consumer_takes_its_body_type_and_passes_over_skipped_types(bus:
     await asyncio.wait_for(c.run_batches(keep, batch=8, fetch_timeout=0.3, after=until_three), timeout=20)
     assert got == [step.body]
     assert c.stats.dead_lettered == 1 and c.stats.by_reason == {"invalid": 1}
-    dead = [i.event.body for i in await bus.read_log(run_id) if i.event and i.event.type == "DeadLettered"]
-    assert [d.original_type for d in dead] == ["PolicyVersionPublished"]  # type: ignore[union-attr]
+    dead = [
+        i.event.body
+        for i in await bus.read_log(run_id)
+        if i.event and isinstance(i.event.body, ev.DeadLettered)
+    ]
+    assert [d.original_type for d in dead] == ["PolicyVersionPublished"]
 
 
 async def test_large_events_arrive_once_without_waiting_out_an_ack_wait(bus: Bus, run_id: str) -> None:
