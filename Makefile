@@ -21,13 +21,16 @@ venv: $(STAMP)
 run: $(STAMP)
 	$(BIN)/jetrl run configs/demo.toml
 
+# mypy's files and settings are in pyproject.toml ([tool.mypy]).
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache
