@@ -32,6 +32,7 @@ import torch
 from jetrl.bus.log import configure
 from jetrl.bus.server import EmbeddedServer
 from jetrl.consumers.trainer.engine import make_train_engine
+from jetrl.consumers.trainer.local_engine import LocalTrainEngine
 from jetrl.deploy.config import RunConfig, load_config
 from jetrl.deploy.supervisor import Supervisor
 from jetrl.policy.loss import group_advantages
@@ -50,7 +51,8 @@ def one_process(cfg: RunConfig, root: Path, threads: int) -> tuple[float | None,
     part = cfg.trainer_part(root)
     part = part.model_copy(update={"trainer": part.trainer.model_copy(update={"threads": threads})})
     engine = make_train_engine(part)
-    model: torch.nn.Module = engine.model  # type: ignore[attr-defined]  # the local engine's
+    assert isinstance(engine, LocalTrainEngine)  # its model is sampled from here
+    model = engine.model
     sampler = inference_copy(model, cfg.inference.precision)
     (producer,) = cfg.producer_parts()
     env_cfg = producer.env

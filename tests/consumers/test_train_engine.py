@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from jetrl.consumers.trainer.engine import make_train_engine
+from jetrl.consumers.trainer.local_engine import LocalTrainEngine
 from jetrl.consumers.trainer.settings import TrainerPart, TrainerSettings
 from jetrl.policy.sampling import SamplingConfig, generate, inference_copy
 from jetrl.policy.settings import ModelSettings
@@ -32,7 +33,8 @@ def rollouts_from(engine_model: torch.nn.Module) -> list[Rollout]:
 
 def test_engine_logprobs_replay_what_inference_sampled_and_a_step_moves_the_weights() -> None:
     engine = make_train_engine(PART)
-    rollouts = rollouts_from(engine.model)  # type: ignore[attr-defined]
+    assert isinstance(engine, LocalTrainEngine)  # the default engine
+    rollouts = rollouts_from(engine.model)
     # Same weights and precision, the recorded experts replayed: the logprobs inference sampled.
     for lp, r in zip(engine.logprobs(rollouts), rollouts, strict=True):
         assert torch.allclose(lp, r.inference_logprobs, atol=1e-4)
@@ -50,7 +52,8 @@ def test_engine_logprobs_replay_what_inference_sampled_and_a_step_moves_the_weig
 
 def test_engine_state_resumes_bit_for_bit() -> None:
     a = make_train_engine(PART)
-    rollouts = rollouts_from(a.model)  # type: ignore[attr-defined]
+    assert isinstance(a, LocalTrainEngine)
+    rollouts = rollouts_from(a.model)
     a.step(rollouts)
     b = make_train_engine(PART)
     b.load_state_dict(a.state_dict())  # weights and optimizer moments
