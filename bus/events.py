@@ -96,7 +96,18 @@ class PayloadRef(msgspec.Struct, frozen=True, tag="ref"):
     shape: tuple[int, ...] | None = None
 
 
-ArrayRef = InlineArray | PayloadRef
+class LogArray(msgspec.Struct, frozen=True, tag="log"):
+    """An array already in this run's log: field ``field`` (an inline array) of the event at
+    stream sequence ``seq``. A scored rollout refers to its generation's arrays this way instead
+    of carrying a second copy; ``dtype`` and ``shape`` are the array's, as there."""
+
+    seq: int
+    field: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+ArrayRef = InlineArray | PayloadRef | LogArray
 
 
 # ----------------------------------------------------------------------------- bodies
@@ -206,14 +217,16 @@ class GenerationCompleted(EventBody, frozen=True):
 
 
 class RolloutScored(EventBody, frozen=True):
-    """A scored completion: the unit the trainer consumes. It carries the generation's array
-    references (not copies of large arrays) so the trainer needs no other event.
+    """A scored completion: the unit the trainer consumes. Its arrays are its generation's: a
+    payload reference is copied, an inline array is referred to where it lies in the log
+    (:class:`LogArray`, from schema version 2 on), so the log holds each array once.
 
     A multi-turn episode is one rollout: ``completion_tokens`` holds every model turn and the
     environment's replies in order, ``completion_mask`` (uint8, 1 = model token) tells them
     apart, and ``logprobs`` is 0 on environment tokens."""
 
     TYPE: ClassVar[str] = "RolloutScored"
+    SCHEMA_VERSION: ClassVar[int] = 2  # 2: arrays may be LogArray references
     rollout_id: str
     generation_event_id: str
     task_id: str

@@ -8,7 +8,9 @@ size, SHA-256). Reading a reference always verifies the hash and raises
 
 Stores implement :class:`PayloadStore`; the event format does not change with the store. Built
 in: the run's JetStream Object Store bucket (default) and a shared filesystem directory.
-Mooncake plugs in as another ``store`` kind on GPU clusters.
+Mooncake plugs in as another ``store`` kind on GPU clusters. A third kind of reference,
+:class:`~jetrl.bus.events.LogArray`, names an inline array already in the run's log (a scored
+rollout's arrays are its generation's); :class:`LogArrays` reads them by stream sequence.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from nats.js.object_store import ObjectStore
 
 from jetrl.bus import events as ev
 from jetrl.bus.log import get_logger
-from jetrl.bus.streams import payload_bucket
+from jetrl.bus.streams import payload_bucket, stream_name
 
 log = get_logger(__name__)
 
@@ -169,6 +171,53 @@ def _atomic_write(path: Path, data: bytes) -> None:
     tmp.replace(path)
 
 
+class LogArrays:
+    """Arrays referred to by their place in the run's log (direct gets by stream sequence,
+    each event read once while it is among the most recent ``cache_events``)."""
+
+    def __init__(self, js: nats.js.JetStreamContext, run_id: str, *, cache_events: int = 8192) -> None:
+        self.js = js
+        self.stream = stream_name(run_id)
+        self.cache_events = cache_events
+        self._events: dict[int, ev.Event] = {}
+
+    async def _event(self, seq: int) -> ev.Event:
+        event = self._events.get(seq)
+        if event is None:
+            try:
+                msg = await self.js.get_msg(self.stream, seq=seq, direct=True)
+            except nats.js.errors.NotFoundError:
+                raise PayloadMissing(f"{self.stream} has no message at sequence {seq}") from None
+            event = ev.decode_event(msg.data or b"", msg.headers)
+            if len(self._events) >= self.cache_events:
+                del self._events[next(iter(self._events))]  # the oldest read
+            self._events[seq] = event
+        return event
+
+    async def prefetch(self, refs: list[ev.LogArray]) -> None:
+        """Read the events behind ``refs`` concurrently (one request each), ahead of get_array."""
+        seqs = {r.seq for r in refs} - self._events.keys()
+        await asyncio.gather(*(self._event(s) for s in sorted(seqs)))
+
+    async def get_array(self, ref: ev.LogArray) -> np.ndarray:
+        event = await self._event(ref.seq)
+        found = getattr(event.body, ref.field, None)
+        if not isinstance(found, ev.InlineArray) or (found.dtype, found.shape) != (ref.dtype, ref.shape):
+            raise PayloadIntegrityError(
+                f"{self.stream} sequence {ref.seq} ({event.type}) has no {ref.dtype}{list(ref.shape)} "
+                f"array in {ref.field!r}"
+            )
+        return array_from_bytes(found.dtype, found.shape, found.data)
+
+
+def log_array(seq: int, field: str, arr: ev.ArrayRef) -> ev.ArrayRef:
+    """A reference to ``arr``, field ``field`` of the event at ``seq``, if it lies there inline;
+    other references are returned as they are (they point at their own bytes already)."""
+    if isinstance(arr, ev.InlineArray):
+        return ev.LogArray(seq=seq, field=field, dtype=arr.dtype, shape=arr.shape)
+    return arr
+
+
 def weight_stores(directory: str | Path | None, bucket: str) -> list[PayloadStore]:
     """The extra store a process needs to read weights written to a shared directory."""
     return [FilePayloads(directory, bucket)] if directory else []
@@ -184,11 +233,25 @@ class Payloads:
     by any of them; ``default`` receives new writes."""
 
     def __init__(
-        self, default: PayloadStore, *others: PayloadStore, inline_threshold: int = DEFAULT_INLINE_THRESHOLD
+        self,
+        default: PayloadStore,
+        *others: PayloadStore,
+        inline_threshold: int = DEFAULT_INLINE_THRESHOLD,
+        log: LogArrays | None = None,
     ) -> None:
         self.default = default
         self.stores: dict[str, PayloadStore] = {s.kind: s for s in (default, *others)}
         self.inline_threshold = inline_threshold
+        self.log = log  # to follow LogArray references
+
+    @classmethod
+    async def for_run(
+        cls, js: nats.js.JetStreamContext, run_id: str, *, weights_dir: str | Path | None = None
+    ) -> Payloads:
+        """A run's arrays: its object store (where new ones go), the log, and the shared
+        weights directory when weights travel as files."""
+        objstore = await ObjectStorePayloads.for_run(js, run_id)
+        return cls(objstore, *weight_stores(weights_dir, objstore.bucket), log=LogArrays(js, run_id))
 
     async def put_array(self, name: str, arr: np.ndarray) -> ev.ArrayRef:
         inline = inline_array(arr)
@@ -213,9 +276,22 @@ class Payloads:
             )
         return data
 
+    async def prefetch(self, refs: list[ev.ArrayRef | None]) -> None:
+        """Read ahead, concurrently, what ``refs`` need from the log (a step's rollouts, say)."""
+        in_log = [r for r in refs if isinstance(r, ev.LogArray)]
+        if in_log:
+            await self._log().prefetch(in_log)
+
+    def _log(self) -> LogArrays:
+        if self.log is None:
+            raise PayloadError("this reader cannot follow references into the log (no LogArrays)")
+        return self.log
+
     async def get_array(self, ref: ev.ArrayRef) -> np.ndarray:
         if isinstance(ref, ev.InlineArray):
             return array_from_bytes(ref.dtype, ref.shape, ref.data)
+        if isinstance(ref, ev.LogArray):
+            return await self._log().get_array(ref)
         if ref.dtype is None or ref.shape is None:
             raise PayloadError(f"payload {ref.bucket}/{ref.name} is a blob, not an array")
         return array_from_bytes(ref.dtype, ref.shape, await self.get_bytes(ref))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from jetrl.bus.client import Bus
 from jetrl.bus.log import configure
-from jetrl.bus.payloads import ObjectStorePayloads, Payloads, weight_stores
+from jetrl.bus.payloads import Payloads
 from jetrl.bus.server import EmbeddedServer
 from jetrl.consumers.trainer.core import TrainCore
 from jetrl.consumers.trainer.replay import (
@@ -57,8 +57,7 @@ async def replay(
         part = RunConfig.model_validate(log.config).trainer_part(run_dir)
         last = log.last_step if to_step is None else min(to_step, log.last_step)
         core = TrainCore(part)
-        objstore = await ObjectStorePayloads.for_run(bus.js, run_id)
-        payloads = Payloads(objstore, *weight_stores(run_dir / "payloads", objstore.bucket))
+        payloads = await Payloads.for_run(bus.js, run_id, weights_dir=run_dir / "payloads")
         replayer = Replayer(core, payloads, log)
         await replayer.start_at(from_step, run_dir / "trainer" if from_step else None)
         needed = {rid for s in range(from_step, last + 1) for rid in log.steps[s][0].rollout_ids}

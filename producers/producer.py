@@ -29,7 +29,7 @@ from jetrl.bus import events as ev
 from jetrl.bus import ids, subjects
 from jetrl.bus.client import Bus, ConsumerSpec, Delivery, Reject
 from jetrl.bus.log import get_logger
-from jetrl.bus.payloads import ObjectStorePayloads, Payloads
+from jetrl.bus.payloads import ObjectStorePayloads, Payloads, log_array
 from jetrl.policy.tokenizer import make_tokenizer
 from jetrl.producers.environments import Environment, FollowUp, Score, make_environment
 from jetrl.producers.settings import ProducerPart
@@ -160,6 +160,7 @@ class EnvProducer:
         if isinstance(result, FollowUp):
             await self.next_turn(d, g, task, completion, result)
             return
+        trace = None if g.routing_trace is None else log_array(d.seq, "routing_trace", g.routing_trace)
         if task.episode is None:
             body = ev.RolloutScored(
                 rollout_id=g.generation_id,
@@ -171,15 +172,16 @@ class EnvProducer:
                 group_size=g.group_size,
                 reward=float(result.reward),
                 reward_parts=result.parts,
-                prompt_tokens=g.prompt_tokens,
-                completion_tokens=g.completion_tokens,
-                logprobs=g.logprobs,
-                routing_trace=g.routing_trace,
+                # The generation's arrays, not a second copy of them (bus/payloads.py).
+                prompt_tokens=log_array(d.seq, "prompt_tokens", g.prompt_tokens),
+                completion_tokens=log_array(d.seq, "completion_tokens", g.completion_tokens),
+                logprobs=log_array(d.seq, "logprobs", g.logprobs),
+                routing_trace=trace,
                 policy_version_start=g.policy_version_start,
                 policy_version_end=g.policy_version_end,
             )
         else:
-            body = await self.episode_rollout(d, g, task.episode, completion, result)
+            body = await self.episode_rollout(d, g, task.episode, completion, result, trace)
         await self.bus.publish(
             ev.new_event(
                 body,
@@ -246,6 +248,7 @@ class EnvProducer:
         episode: ev.EpisodeState,
         completion: list[int],
         score: Score,
+        trace: ev.ArrayRef | None,
     ) -> ev.RolloutScored:
         """The whole episode as one rollout: the first prompt, then every turn, with a mask that
         keeps the environment's text out of the loss."""
@@ -273,7 +276,7 @@ class EnvProducer:
             logprobs=await self.payloads.put_array(f"logprobs-{name}", np.asarray(lps, np.float32)),
             completion_mask=await self.payloads.put_array(f"mask-{name}", np.asarray(mask, np.uint8)),
             # The last turn's trace covers the whole conversation (its prompt is the history).
-            routing_trace=g.routing_trace,
+            routing_trace=trace,
             policy_version_start=episode.version_start,
             policy_version_end=g.policy_version_end,
             turns=g.turn + 1,

@@ -83,6 +83,9 @@ def _ref(a: ev.ArrayRef | None) -> dict[str, Any] | None:
     if isinstance(a, ev.InlineArray):
         # The bytes stay in the log (the event's seq finds them); the store keeps the shape.
         return {"inline": True, "dtype": a.dtype, "shape": list(a.shape), "size": len(a.data)}
+    if isinstance(a, ev.LogArray):
+        # Another event's inline array (a rollout's is its generation's): where it lies.
+        return {"log_seq": a.seq, "field": a.field, "dtype": a.dtype, "shape": list(a.shape)}
     out: dict[str, Any] = {
         "store": a.store,
         "bucket": a.bucket,

@@ -25,7 +25,7 @@ from jetrl.bus import events as ev
 from jetrl.bus import ids, subjects
 from jetrl.bus.client import Batch, Bus, ConsumerSpec, Delivery, keep_alive
 from jetrl.bus.log import get_logger
-from jetrl.bus.payloads import ObjectStorePayloads, Payloads, weight_stores
+from jetrl.bus.payloads import Payloads
 from jetrl.consumers.inference.engine import GenerationEngine, GroupRequest, Sample, make_generation_engine
 from jetrl.consumers.inference.settings import InferencePart
 from jetrl.policy.tokenizer import make_tokenizer
@@ -213,8 +213,7 @@ class InferenceWorker:
                 await asyncio.wait_for(stop.wait(), timeout=self.s.heartbeat_s)
 
     async def run(self, stop: asyncio.Event) -> None:
-        objstore = await ObjectStorePayloads.for_run(self.bus.js, self.run_id)
-        self.payloads = Payloads(objstore, *weight_stores(self.part.weights_dir, objstore.bucket))
+        self.payloads = await Payloads.for_run(self.bus.js, self.run_id, weights_dir=self.part.weights_dir)
         consumer = await self.bus.consumer(
             ConsumerSpec(
                 run_id=self.run_id,

@@ -50,6 +50,10 @@ class TrainCore:
         group_idx = torch.tensor([ids.setdefault(b.group_id, len(ids)) for b in bodies])
         rewards = torch.tensor([b.reward for b in bodies], dtype=torch.float32)
         adv = group_advantages(rewards, group_idx, std_scale=self.s.std_scale_advantages)
+        # Arrays that lie in the log (a rollout's are its generation's) are read ahead together.
+        await payloads.prefetch(
+            [a for b in bodies for a in (b.prompt_tokens, b.completion_tokens, b.logprobs, b.routing_trace)]
+        )
         out: list[Rollout] = []
         for i, b in enumerate(bodies):
             trace = None

@@ -32,7 +32,7 @@ from jetrl.bus import events as ev
 from jetrl.bus import ids
 from jetrl.bus.client import Batch, Bus, PullConsumer
 from jetrl.bus.log import get_logger
-from jetrl.bus.payloads import ObjectStorePayloads, Payloads, PayloadStore, weight_stores
+from jetrl.bus.payloads import Payloads, PayloadStore
 from jetrl.consumers.trainer.core import TrainCore, checkpoint_version, list_checkpoints
 from jetrl.consumers.trainer.replay import Replayer, ReplayError, read_rollouts, read_run_log
 from jetrl.consumers.trainer.settings import TrainerPart
@@ -302,9 +302,8 @@ class Trainer:
         )
 
     async def run(self, stop: asyncio.Event) -> int:
-        objstore = await ObjectStorePayloads.for_run(self.bus.js, self.run_id)
-        self.payloads = Payloads(objstore, *weight_stores(self.part.weights_dir, objstore.bucket))
-        self.weights_store = self.payloads.stores["file"] if self.part.weights_dir else objstore
+        self.payloads = await Payloads.for_run(self.bus.js, self.run_id, weights_dir=self.part.weights_dir)
+        self.weights_store = self.payloads.stores["file"] if self.part.weights_dir else self.payloads.default
         structlog.contextvars.bind_contextvars(run_id=self.run_id, worker_id="trainer")
         await self.recover()
         consumer = await self.bus.consumer(rollout_consumer_spec(self.run_id, self.s), ev.RolloutScored)

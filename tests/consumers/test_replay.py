@@ -12,7 +12,7 @@ import pytest
 
 from jetrl.bus import events as ev
 from jetrl.bus.client import Bus
-from jetrl.bus.payloads import ObjectStorePayloads, Payloads
+from jetrl.bus.payloads import Payloads
 from jetrl.bus.server import EmbeddedServer
 from jetrl.consumers.trainer.core import TrainCore
 from jetrl.consumers.trainer.replay import Replayer, divergence_hints, read_rollouts, read_run_log
@@ -73,7 +73,7 @@ async def test_replay_verifies_every_step_and_names_a_divergence(
     part = RunConfig.model_validate(log.config).trainer_part(run_dir)
     changed = part.trainer.model_copy(update={"lr": part.trainer.lr * 2})
     core = TrainCore(part.model_copy(update={"trainer": changed}))
-    replayer = Replayer(core, Payloads(await ObjectStorePayloads.for_run(bus.js, run_id)), log)
+    replayer = Replayer(core, await Payloads.for_run(bus.js, run_id), log)
     await replayer.start_at(0)
     rollouts, _ = await read_rollouts(bus, run_id, set(log.steps[0][0].rollout_ids))
     checks = await replayer.run(rollouts, to_step=0)
