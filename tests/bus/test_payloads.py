@@ -14,6 +14,7 @@ from jetrl.bus.payloads import (
     PayloadIntegrityError,
     PayloadMissing,
     Payloads,
+    log_array,
 )
 
 
@@ -75,3 +76,42 @@ async def test_file_store_and_uint16_traces(tmp_path) -> None:
         await fs.put("../escape", b"x")
     with pytest.raises(PayloadError, match="no payload store of kind 'mooncake'"):
         await pay.get_bytes(ev.PayloadRef(store="mooncake", bucket="b", name="n", size=1, sha256="0"))
+
+
+async def test_log_arrays_are_read_where_they_lie_in_the_log(bus: Bus, run_id: str) -> None:
+    """A rollout refers to its generation's inline arrays by stream sequence and field; they
+    read back as the arrays, and a reference that does not match what lies there is refused."""
+    pay = await Payloads.for_run(bus.js, run_id)
+    tokens, lps = np.arange(7, dtype=np.int32), np.linspace(-1, 0, 7, dtype=np.float32)
+    gen = ev.GenerationCompleted(
+        generation_id="g-0",
+        task_id="g",
+        env="e",
+        group_id="g",
+        sample_index=0,
+        group_size=2,
+        prompt_tokens=await pay.put_array("p", np.arange(3, dtype=np.int32)),
+        completion_tokens=await pay.put_array("c", tokens),
+        logprobs=await pay.put_array("l", lps),
+        policy_version_start=0,
+        policy_version_end=0,
+        worker_id="w",
+    )
+    seq = (await bus.publish(ev.new_event(gen, run_id=run_id))).seq
+    refs = [
+        log_array(seq, "completion_tokens", gen.completion_tokens),
+        log_array(seq, "logprobs", gen.logprobs),
+    ]
+    assert all(isinstance(r, ev.LogArray) for r in refs)
+    await pay.prefetch([*refs, None])
+    assert np.array_equal(await pay.get_array(refs[0]), tokens)
+    assert np.array_equal(await pay.get_array(refs[1]), lps)
+    with pytest.raises(PayloadIntegrityError, match="no int32"):
+        await pay.get_array(ev.LogArray(seq=seq, field="logprobs", dtype="int32", shape=(7,)))
+    with pytest.raises(PayloadMissing):
+        await pay.get_array(ev.LogArray(seq=seq + 100, field="logprobs", dtype="float32", shape=(7,)))
+    with pytest.raises(PayloadError, match="cannot follow"):
+        await Payloads(pay.default).get_array(refs[0])
+    # A reference to a payload is kept as it is: it points at its own bytes already.
+    stored = await Payloads(pay.default, inline_threshold=0).put_array("big", tokens)
+    assert log_array(seq, "completion_tokens", stored) is stored

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from jetrl.bus import events as ev
+from jetrl.bus import subjects
 from jetrl.bus.client import Bus
 from jetrl.bus.server import EmbeddedServer
 from jetrl.deploy.config import load_config
@@ -73,6 +74,13 @@ async def test_short_async_run_keeps_the_invariants(nats_server: EmbeddedServer,
     assert set(trained) <= set(scored)
     withheld = {w.rollout_id for w in bodies(log, ev.RolloutWithheld)}
     assert not (withheld & set(trained)), "a withheld rollout was trained"
+    # A rollout's arrays are its generation's: referred to where they lie in the log, not copied.
+    bus = await Bus.connect(nats_server.url)
+    gen_seq = {i.seq for i in await bus.read_log(run_id, filter_subject=subjects.generation_subject(run_id))}
+    await bus.close()
+    for r in bodies(log, ev.RolloutScored):
+        refs = [r.prompt_tokens, r.completion_tokens, r.logprobs]
+        assert all(isinstance(a, ev.LogArray) and a.seq in gen_seq for a in refs)
     # A finished run accounts for every rollout: trained, or withheld with its reason.
     assert set(scored) == set(trained) | withheld, "a scored rollout is neither trained nor withheld"
     at_end = [w for w in bodies(log, ev.RolloutWithheld) if w.reason == "run_finished"]
