@@ -123,3 +123,29 @@ async def ensure_payload_bucket(
         )
     except nats.js.errors.APIError as exc:
         raise StreamSetupError(bucket, limits.payload_max_bytes, exc) from exc
+
+
+@dataclass(frozen=True)
+class Usage:
+    """How full one of a run's streams is: the log, or the payload bucket's."""
+
+    stream: str
+    bytes: int
+    max_bytes: int
+
+    @property
+    def fraction(self) -> float:
+        return self.bytes / self.max_bytes if self.max_bytes > 0 else 0.0
+
+
+async def run_usage(js: JetStreamContext, run_id: str) -> list[Usage]:
+    """The run's log and payload bucket against their limits (a full one refuses publishes:
+    ``discard: new``)."""
+    out = []
+    for name in (stream_name(run_id), f"OBJ_{payload_bucket(run_id)}"):
+        try:
+            info = await js.stream_info(name)
+        except nats.js.errors.NotFoundError:
+            continue
+        out.append(Usage(name, int(info.state.bytes), int(info.config.max_bytes or -1)))
+    return out

@@ -32,6 +32,7 @@ from jetrl.bus import ids, subjects
 from jetrl.bus.client import Bus
 from jetrl.bus.log import get_logger
 from jetrl.bus.server import EmbeddedServer
+from jetrl.bus.streams import run_usage
 from jetrl.consumers.recorder.settings import RecorderPart
 from jetrl.consumers.trainer.withholding import close_out
 from jetrl.deploy.config import RunConfig, library_versions
@@ -42,6 +43,8 @@ from jetrl.store.db import open_store
 log = get_logger(__name__)
 
 MAX_RESTARTS = 10
+USAGE_EVERY_S = 10.0  # how often the log's and the payload bucket's fill is checked
+USAGE_WARN = 0.8  # the share of a limit past which the run is warned about
 
 
 class PartFailed(RuntimeError):
@@ -95,6 +98,7 @@ class Supervisor:
         self.progress = Progress()
         self.server_restarts = 0
         self.unfinished = 0  # rollouts withheld as run_finished at the end
+        self.warned_full: set[str] = set()  # streams past USAGE_WARN of their limit
         self.log = log.bind(run_id=run_id)
 
     # ------------------------------------------------------------------ processes
@@ -167,6 +171,23 @@ class Supervisor:
         )
         self.say(f"  ! nats-server exited with {self.server.proc.returncode}; restarting")
         self.server.start()
+
+    async def check_usage(self, bus: Bus) -> None:
+        """Warn, once per stream, when the run's log or payload bucket passes 80% of its limit:
+        a full one refuses publishes and the run stops (docs/events.md, "Sizing the limits")."""
+        try:
+            usage = await run_usage(bus.js, self.run_id)
+        except Exception as exc:  # advisory: never let it stop the run
+            self.log.warning("usage_unavailable", error=repr(exc))
+            return
+        for u in usage:
+            if u.fraction >= USAGE_WARN and u.stream not in self.warned_full:
+                self.warned_full.add(u.stream)
+                self.log.warning("stream_nearly_full", stream=u.stream, bytes=u.bytes, max_bytes=u.max_bytes)
+                self.say(
+                    f"  ! {u.stream} is {100 * u.fraction:.0f}% full ({u.bytes / 2**30:.2f} of "
+                    f"{u.max_bytes / 2**30:.2f} GiB): raise [bus] max_gib / payload_max_gib for a longer run"
+                )
 
     def check_parts(self) -> Part | None:
         """Restart crashed parts; return the trainer once it has finished on its own."""
@@ -273,10 +294,14 @@ class Supervisor:
                 loop.add_signal_handler(sig, stop.set)
             budget = self.cfg.run.max_wall_s
             t_start = time.monotonic()
+            next_usage = 0.0
             while not stop.is_set():
                 if self.check_parts() is not None:
                     status = "completed"
                     break
+                if time.monotonic() >= next_usage:
+                    next_usage = time.monotonic() + USAGE_EVERY_S
+                    await self.check_usage(bus)
                 if budget is not None and time.monotonic() - t_start > budget:
                     status, reason = "completed", f"time budget of {budget:.0f}s reached"
                     self.say(f"time budget of {budget:.0f}s reached")
