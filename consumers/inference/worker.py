@@ -148,7 +148,9 @@ class InferenceWorker:
             )
             for i, g in enumerate(samples):
                 await pub.publish(
-                    await self._completion_event(d.event, t, i, g, prompt, version, queued, gen_s, load_wait)
+                    await self._completion_event(
+                        d.event, t, i, g, prompt, version, queued, gen_s, load_wait, attempt=d.num_delivered
+                    )
                 )
                 self.stats["samples"] += 1
                 self.stats["tokens"] += len(g.completion_tokens)
@@ -166,13 +168,19 @@ class InferenceWorker:
         queued: float,
         gen_s: float,
         load_wait: float,
+        *,
+        attempt: int,
     ) -> ev.Event:
         assert self.payloads is not None
         gen_id = ids.generation_id(t.task_id, i)
         eid = ids.generation_event_id(self.run_id, task_event.event_id, i)
+        # A task generated again (its first worker died) samples other tokens under the same
+        # event id; its objects get names of their own, so they never overwrite the bytes the
+        # first copy of the event, the one the log keeps, refers to.
+        name = f"{eid}-{attempt}"
         trace = None
         if g.routing_trace is not None:
-            trace = await self.payloads.put_array(f"trace-{eid}", g.routing_trace)
+            trace = await self.payloads.put_array(f"trace-{name}", g.routing_trace)
         body = ev.GenerationCompleted(
             generation_id=gen_id,
             task_id=t.task_id,
@@ -181,8 +189,8 @@ class InferenceWorker:
             sample_index=i,
             group_size=t.group_size,
             prompt_tokens=prompt,
-            completion_tokens=await self.payloads.put_array(f"tokens-{eid}", g.completion_tokens),
-            logprobs=await self.payloads.put_array(f"logprobs-{eid}", g.logprobs),
+            completion_tokens=await self.payloads.put_array(f"tokens-{name}", g.completion_tokens),
+            logprobs=await self.payloads.put_array(f"logprobs-{name}", g.logprobs),
             routing_trace=trace,
             policy_version_start=version,
             policy_version_end=version,
