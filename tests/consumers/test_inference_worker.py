@@ -1,0 +1,42 @@
+"""The inference worker's events for a task generated twice (its first worker died)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jetrl.bus import events as ev
+from jetrl.bus.client import Bus
+from jetrl.bus.payloads import Payloads
+from jetrl.consumers.inference.engine import Sample
+from jetrl.consumers.inference.settings import InferencePart, InferenceSettings
+from jetrl.consumers.inference.worker import InferenceWorker
+
+ORACLE = InferencePart(inference=InferenceSettings(engine="tests.support.engines:OracleEngine"))
+
+
+async def test_a_second_generation_never_overwrites_the_arrays_of_the_first(bus: Bus, run_id: str) -> None:
+    worker = InferenceWorker(bus, run_id, "inf-0", ORACLE)
+    worker.payloads = await Payloads.for_run(bus.js, run_id)
+    task = ev.TaskSubmitted(task_id="e.t.0", env="e", group_size=1, prompt_tokens=[1, 2, 3])
+    task_event = ev.new_event(task, run_id=run_id)
+    prompt = await worker.payloads.put_array("prompt", np.asarray(task.prompt_tokens, np.int32))
+    rng = np.random.default_rng(0)
+
+    def sample() -> Sample:  # long enough (32 KiB of tokens) to go to the object store
+        n = 8192
+        tokens = rng.integers(3, 60, n).astype(np.int32)
+        return Sample(tokens, np.zeros(n, np.float32), "length")
+
+    first, second = sample(), sample()
+    kept = await worker._completion_event(task_event, task, 0, first, prompt, 0, 0.0, 0.0, 0.0, attempt=1)
+    again = await worker._completion_event(task_event, task, 0, second, prompt, 0, 0.0, 0.0, 0.0, attempt=2)
+    assert kept.event_id == again.event_id  # the stream keeps one: the first
+    assert isinstance(kept.body, ev.GenerationCompleted) and isinstance(again.body, ev.GenerationCompleted)
+    assert isinstance(kept.body.completion_tokens, ev.PayloadRef)
+    # The kept event's reference still reads its own tokens, hash-checked.
+    assert np.array_equal(
+        await worker.payloads.get_array(kept.body.completion_tokens), first.completion_tokens
+    )
+    assert np.array_equal(
+        await worker.payloads.get_array(again.body.completion_tokens), second.completion_tokens
+    )
