@@ -230,6 +230,10 @@ class CachedSDPA(ScaledDotProductAttention):  # type: ignore[misc]  # torchtitan
         return out.transpose(1, 2)
 
 
+def _dense_grad(grad: torch.Tensor) -> torch.Tensor:
+    return grad if all(grad.stride()) else grad.contiguous()
+
+
 class ExpertsInWeightDtype(GroupedExperts):  # type: ignore[misc]  # torchtitan ships no types
     """torchtitan's grouped SwiGLU experts, their GEMMs (still ``_grouped_mm``, torchtitan's
     seam for other kernels) in the dtype of the expert weights instead of always bf16."""
@@ -245,10 +249,17 @@ class ExpertsInWeightDtype(GroupedExperts):  # type: ignore[misc]  # torchtitan 
         w1, w2, w3 = (w.transpose(-2, -1) for w in weights)
         offsets = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
         x = x_RD.to(w1.dtype)
-        gate = F.silu(self._grouped_mm(A=x, B_t=w1, offs=offsets))
-        hidden = gate * self._grouped_mm(A=x, B_t=w3, offs=offsets)
-        out: torch.Tensor = self._grouped_mm(A=hidden, B_t=w2, offs=offsets)
-        return out.type_as(x_RD)
+        gate = F.silu(self._gemm(x, w1, offsets))
+        hidden = gate * self._gemm(x, w3, offsets)
+        return self._gemm(hidden, w2, offsets).type_as(x_RD)
+
+    def _gemm(self, a: torch.Tensor, b_t: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self._grouped_mm(A=a, B_t=b_t, offs=offsets)
+        if out.requires_grad:
+            # The fp32 grouped GEMM's backward on CPU refuses a gradient with zero strides (an
+            # expanded one, as from a sum): hand it a dense copy of such a gradient.
+            out.register_hook(_dense_grad)
+        return out
 
 
 def _normal(std: float) -> Callable[[torch.Tensor], torch.Tensor]:

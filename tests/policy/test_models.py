@@ -124,3 +124,15 @@ def test_experts_compute_in_the_dtype_of_their_weights() -> None:
         assert (in_bf16.double() - ref).abs().max() > 1e-4 * ref.abs().max()
         half = copy.deepcopy(experts).to(torch.bfloat16)
         assert half(x.bfloat16(), counts).dtype == torch.bfloat16
+    # Gradients flow in fp32 too, also from a loss whose gradient is expanded (a plain sum).
+    experts(x, counts).sum().backward()
+    w1 = experts.w1_EFD.detach().double().requires_grad_()
+    ref_out, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        xe = x[start : start + n].double()
+        w2, w3 = experts.w2_EDF[e].detach().double(), experts.w3_EFD[e].detach().double()
+        ref_out.append((torch.nn.functional.silu(xe @ w1[e].T) * (xe @ w3.T)) @ w2.T)
+        start += n
+    torch.cat(ref_out).sum().backward()
+    assert w1.grad is not None and experts.w1_EFD.grad is not None
+    assert (experts.w1_EFD.grad.double() - w1.grad).abs().max() < 1e-5 * w1.grad.abs().max()
