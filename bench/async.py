@@ -18,14 +18,80 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from jetrl.bus.log import configure
 from jetrl.bus.server import EmbeddedServer
 from jetrl.deploy.config import load_config
 from jetrl.deploy.supervisor import Supervisor
+
+# Steady state: the first steps (process start-up, first weights) are not timed.
+WARMUP_STEPS = 3
+# Timed steps a mode needs for a rate (two intervals between them) and for the idle fraction.
+MIN_TIMED_STEPS = 3
+
+
+@dataclass(frozen=True)
+class ModeFigures:
+    """One mode's figures; a figure is None where the mode took too few steps to measure it."""
+
+    steps: int
+    seconds: float  # the mode's wall-clock budget
+    steps_per_min: float | None
+    idle: float | None
+    staleness: float | None
+    reward: float | None
+    withheld: int
+
+    def too_few(self) -> str:
+        """Why a figure is missing, for the lines that would have shown it."""
+        noun = "step" if self.steps == 1 else "steps"
+        return (
+            f"too few steps to measure ({self.steps} {noun} in {self.seconds:.0f} s; "
+            f"{WARMUP_STEPS + MIN_TIMED_STEPS} needed: {WARMUP_STEPS} warm-up, {MIN_TIMED_STEPS} timed)"
+        )
+
+
+def mode_figures(steps: list[dict[str, float]], seconds: float) -> ModeFigures:
+    """The figures of one mode from its StepCompleted metrics (``step``, ``t``, ...)."""
+    timed = [s for s in steps if s["step"] >= WARMUP_STEPS]
+    span = timed[-1]["t"] - timed[0]["t"] if len(timed) >= MIN_TIMED_STEPS else 0.0
+    waits = [s.get("trainer_wait_s", 0.0) for s in timed[1:]]
+    busy = sum(waits) + sum(s.get("step_s", 0.0) for s in timed[1:])
+    last = steps[-10:]
+    return ModeFigures(
+        steps=len(steps),
+        seconds=seconds,
+        steps_per_min=(len(timed) - 1) / span * 60 if span > 0 else None,
+        idle=sum(waits) / busy if len(timed) >= MIN_TIMED_STEPS and busy > 0 else None,
+        staleness=sum(s.get("staleness_mean", 0.0) for s in steps) / len(steps) if steps else None,
+        reward=sum(s.get("reward_mean", 0.0) for s in last) / len(last) if last else None,
+        withheld=int(steps[-1].get("withheld_total", 0)) if steps else 0,
+    )
+
+
+def speedup_line(k: int, mode: ModeFigures, base: ModeFigures | None) -> str:
+    """The headline async/sync line of mode ``k``, or why it cannot be given."""
+    head = f"async/sync steps-per-minute k={k}"
+    if mode.steps_per_min is None:
+        return f"{head}: {mode.too_few()}"
+    if base is None:
+        return f"{head}: no sync baseline (mode 0 was not run)"
+    if base.steps_per_min is None:
+        return f"{head}: no sync baseline to compare with (sync: {base.too_few()})"
+    return f"{head} {mode.steps_per_min / base.steps_per_min:.2f}x (target >= 2x)"
+
+
+def idle_line(k: int, mode: ModeFigures) -> str:
+    if mode.idle is None:
+        return f"trainer idle k={k}: {mode.too_few()}"
+    return f"trainer idle k={k} {100 * mode.idle:.1f}% (target < 10%)"
+
+
+def _num(x: float | None, fmt: str, width: int, suffix: str = "") -> str:
+    return f"{x:{fmt}}{suffix}".rjust(width) if x is not None else "-".rjust(width)
 
 
 def run_mode(
@@ -38,7 +104,7 @@ def run_mode(
     workers: int,
     model: list[str],
     inflight: int | None = None,
-) -> dict[str, float]:
+) -> ModeFigures:
     args = (
         f"--run.max_wall_s {seconds} --run.seed 0 --trainer.max_off_policy_steps {k} "
         "--trainer.max_steps 100000 "
@@ -54,21 +120,7 @@ def run_mode(
     run_id = f"async-k{k}"
     sup = Supervisor(cfg, run_id, root / run_id, nats_url=url, quiet=True)
     asyncio.run(sup.run())
-    steps = sup.progress.steps
-    summary = json.loads((root / run_id / "summary.json").read_text())
-    # Steady state: skip the first steps (process start-up, first weights) when timing.
-    warm = [s for s in steps if s["step"] >= 3]
-    span = warm[-1]["t"] - warm[0]["t"] if len(warm) > 1 else 0.0
-    last = steps[-10:] if steps else []
-    return {
-        "steps": float(len(steps)),
-        "steps_per_min": (len(warm) - 1) / span * 60 if span > 0 else 0.0,
-        "idle": sum(s.get("trainer_wait_s", 0.0) for s in warm[1:])
-        / max(sum(s.get("trainer_wait_s", 0.0) + s.get("step_s", 0.0) for s in warm[1:]), 1e-9),
-        "staleness": sum(s.get("staleness_mean", 0.0) for s in steps) / max(len(steps), 1),
-        "reward": sum(s.get("reward_mean", 0.0) for s in last) / max(len(last), 1),
-        "withheld": float(summary.get("withheld", 0)),
-    }
+    return mode_figures(sup.progress.steps, seconds)
 
 
 def main() -> None:
@@ -97,7 +149,7 @@ def main() -> None:
     args = ap.parse_args()
     configure(level="warning")
     modes = [int(m) for m in args.modes.split(",")]
-    results: dict[int, dict[str, float]] = {}
+    results: dict[int, ModeFigures] = {}
     with tempfile.TemporaryDirectory() as tmp, EmbeddedServer(Path(tmp) / "nats") as srv:
         for k in modes:
             model = [
@@ -108,7 +160,7 @@ def main() -> None:
                 "--bus.weights_store",
                 args.weights_store,
             ]
-            results[k] = run_mode(
+            r = results[k] = run_mode(
                 srv.url,
                 Path(tmp),
                 k,
@@ -119,31 +171,34 @@ def main() -> None:
                 model,
                 args.oversubscribe,
             )
-            r = results[k]
+            rate = f"{r.steps_per_min:.1f} steps/min" if r.steps_per_min is not None else "steps/min -"
+            idle = f"{100 * r.idle:.1f}%" if r.idle is not None else "-"
             print(
-                f"max_off_policy_steps={k}: {r['steps']:.0f} steps, {r['steps_per_min']:.1f} steps/min, "
-                f"trainer idle {100 * r['idle']:.1f}%, staleness {r['staleness']:.2f}, "
-                f"reward {r['reward']:.3f}, withheld {r['withheld']:.0f}",
+                f"max_off_policy_steps={k}: {r.steps} steps, {rate}, trainer idle {idle}, "
+                f"staleness {_num(r.staleness, '.2f', 0)}, reward {_num(r.reward, '.3f', 0)}, "
+                f"withheld {r.withheld}",
                 flush=True,
             )
     print()
-    print(f"{'mode':<12}{'steps/min':>10}{'x sync':>8}{'idle':>8}{'stale':>7}{'reward':>8}")
-    base = results.get(0, {}).get("steps_per_min", 0.0)
+    print(f"{'mode':<12}{'steps':>6}{'steps/min':>10}{'x sync':>8}{'idle':>8}{'stale':>7}{'reward':>8}")
+    base = results.get(0)
     for k, r in results.items():
-        ratio = r["steps_per_min"] / base if base else float("nan")
+        ratio = None
+        if base is not None and base.steps_per_min and r.steps_per_min is not None:
+            ratio = r.steps_per_min / base.steps_per_min
         name = "sync" if k == 0 else f"async k={k}"
         print(
-            f"{name:<12}{r['steps_per_min']:>10.1f}{ratio:>8.2f}{100 * r['idle']:>7.1f}%"
-            f"{r['staleness']:>7.2f}{r['reward']:>8.3f}"
+            f"{name:<12}{r.steps:>6}{_num(r.steps_per_min, '.1f', 10)}{_num(ratio, '.2f', 8)}"
+            f"{_num(None if r.idle is None else 100 * r.idle, '.1f', 8, '%')}"
+            f"{_num(r.staleness, '.2f', 7)}{_num(r.reward, '.3f', 8)}"
         )
     print()
     for k, r in results.items():
-        if k == 0:
-            continue
-        print(f"async/sync steps-per-minute k={k} {r['steps_per_min'] / base:.2f}x (target >= 2x)")
+        if k:
+            print(speedup_line(k, r, base))
     for k, r in results.items():
         if k:
-            print(f"trainer idle k={k} {100 * r['idle']:.1f}% (target < 10%)")
+            print(idle_line(k, r))
 
 
 if __name__ == "__main__":

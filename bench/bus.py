@@ -40,6 +40,9 @@ from jetrl.bus.server import EmbeddedServer
 from jetrl.bus.streams import GiB, StreamLimits, stream_name
 
 WINDOW = 256
+# A consume that gets no event for this long (events that were all published and acked) stops:
+# the round is reported as not measured instead of waiting forever.
+STALL_S = 60.0
 LIMITS = StreamLimits(max_bytes=8 * GiB, payload_max_bytes=GiB)
 
 
@@ -86,8 +89,25 @@ class Rate:
     mb_s: float
 
 
+class Stalled(Exception):
+    """A consume round got no event for STALL_S seconds."""
+
+
 def rate(n: int, nbytes: int, seconds: float) -> Rate:
+    # perf_counter differences are positive in practice; a zero must not crash a report.
+    seconds = max(seconds, 1e-9)
     return Rate(n / seconds, nbytes / seconds / 1e6)
+
+
+def ratio_line(label: str, name: str, loaded: str, out: dict[str, Rate] | str, path: str) -> str:
+    """A headline jetrl/raw line, or why it was not measured."""
+    head = f"{label} ratio {name}{loaded}"
+    if isinstance(out, str):
+        return f"{head}: not measured ({out}) (target >= 0.8)"
+    raw, jet = out[f"{path}_raw"], out[f"{path}_jetrl"]
+    if raw.events_s <= 0:
+        return f"{head}: not measured (raw nats-py moved no events) (target >= 0.8)"
+    return f"{head} {jet.events_s / raw.events_s:.2f} (target >= 0.8)"
 
 
 async def reset_stream(bus: Bus, run_id: str) -> None:
@@ -120,15 +140,30 @@ async def consume_raw(bus: Bus, run_id: str, n: int, durable: str) -> float:
         subjects.all_subjects(run_id), durable=durable, stream=stream_name(run_id), config=cfg
     )
     got = 0
-    t0 = time.perf_counter()
+    t0 = last = time.perf_counter()
     while got < n:
-        for msg in await sub.fetch(256, timeout=5):
+        try:
+            msgs = await sub.fetch(256, timeout=5)
+        except TimeoutError:  # nats-py's (and asyncio's): nothing within 5 s, a loaded machine
+            msgs = []
+        for msg in msgs:
             msgspec.msgpack.decode(msg.data)
             await msg.ack()
             got += 1
+        last = _check_stall(bool(msgs), last, got, n)
     elapsed = time.perf_counter() - t0
     await sub.unsubscribe()
     return elapsed
+
+
+def _check_stall(progressed: bool, last: float, got: int, n: int) -> float:
+    """When events last came; raises Stalled after STALL_S seconds without any."""
+    now = time.perf_counter()
+    if progressed:
+        return now
+    if now - last > STALL_S:
+        raise Stalled(f"consume stalled: {got} of {n} events, none for {STALL_S:.0f} s")
+    return last
 
 
 async def consume_jetrl(bus: Bus, run_id: str, n: int, durable: str) -> float:
@@ -141,17 +176,34 @@ async def consume_jetrl(bus: Bus, run_id: str, n: int, durable: str) -> float:
         )
     )
     got = 0
-    t0 = time.perf_counter()
+    t0 = last = time.perf_counter()
     while got < n:
-        for d in await c.fetch(256, timeout=5):
+        deliveries = await c.fetch(256, timeout=5)  # empty on a timeout
+        for d in deliveries:
             await d.ack()
             got += 1
+        last = _check_stall(bool(deliveries), last, got, n)
     elapsed = time.perf_counter() - t0
     await c.unsubscribe()
     return elapsed
 
 
 async def bench_workload(
+    bus: Bus, run_id: str, name: str, events: list[ev.Event], rounds: int
+) -> dict[str, Rate] | str:
+    """The workload's median rates, or why they were not measured."""
+    n = len(events)
+    if n == 0:
+        print(f"\n{name}: skipped (0 events)")
+        return "0 events"
+    try:
+        return await _bench_workload(bus, run_id, name, events, rounds)
+    except Stalled as exc:
+        print(f"\n{name}: {exc}")
+        return str(exc)
+
+
+async def _bench_workload(
     bus: Bus, run_id: str, name: str, events: list[ev.Event], rounds: int
 ) -> dict[str, Rate]:
     n = len(events)
@@ -177,7 +229,7 @@ async def bench_workload(
         label = "publish" if path == "pub" else "consume"
         print(
             f"  {label:<10}{raw.events_s:>12,.0f}{jet.events_s:>12,.0f}{raw.mb_s:>10.1f}{jet.mb_s:>12.1f}"
-            f"{jet.events_s / raw.events_s:>8.2f}"
+            f"{jet.events_s / raw.events_s if raw.events_s > 0 else float('nan'):>8.2f}"
         )
     return out
 
@@ -189,6 +241,8 @@ async def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--load", type=int, default=0, help="busy CPU processes running beside the bench")
     args = ap.parse_args()
+    if args.rounds < 1 or args.small < 0 or args.large < 0:
+        ap.error("--rounds must be at least 1, --small and --large at least 0")
     configure(level="warning")
     loaded = f" (load {args.load})" if args.load else ""
     with tempfile.TemporaryDirectory() as tmp, EmbeddedServer(tmp) as srv, cpu_load(args.load):
@@ -207,8 +261,7 @@ async def main() -> None:
     print()
     for name, out in results.items():
         for path, label in (("pub", "publish"), ("con", "consume")):
-            ratio = out[f"{path}_jetrl"].events_s / out[f"{path}_raw"].events_s
-            print(f"{label} ratio {name}{loaded} {ratio:.2f} (target >= 0.8)")
+            print(ratio_line(label, name, loaded, out, path))
 
 
 if __name__ == "__main__":

@@ -62,10 +62,12 @@ async def deliverable_to_trainer(url: str, run_id: str) -> set[str]:
         )
     )
     out: set[str] = set()
-    while True:
-        batch = await c.fetch(1000, timeout=1.0)
-        if not batch:
-            break
+    # An empty fetch is a timeout, which a loaded machine can give while messages remain: only a
+    # few in a row end the scan.
+    empty = 0
+    while empty < 3:
+        batch = await c.fetch(1000, timeout=2.0)
+        empty = 0 if batch else empty + 1
         out.update(d.event.body.rollout_id for d in batch if isinstance(d.event.body, ev.RolloutScored))
     await bus.close()
     return out
@@ -125,12 +127,17 @@ async def chaos(root: Path, steps: int, kills: int, seed: int) -> ChaosResult:
         done = len(sup.progress.steps)
         if done >= next_at:
             victim = rng.choice(victims)
+            # Only a running process is killed: one the supervisor has not restarted yet (slow on
+            # a loaded machine) is not a fault injected; another victim is drawn.
             if victim == "nats-server":
-                assert sup.server is not None
-                sup.server.kill()
+                server = sup.server
+                if server is None or server.proc is None or server.proc.poll() is not None:
+                    await asyncio.sleep(0.1)
+                    continue
+                server.kill()
             else:
-                part = next(p for p in sup.parts if p.name == victim)
-                if part.proc is None or part.proc.poll() is not None:
+                part = next((p for p in sup.parts if p.name == victim), None)
+                if part is None or part.proc is None or part.proc.poll() is not None:
                     await asyncio.sleep(0.1)
                     continue
                 part.proc.send_signal(signal.SIGKILL)
@@ -145,9 +152,7 @@ async def chaos(root: Path, steps: int, kills: int, seed: int) -> ChaosResult:
     for victim, t_kill, _ in injected:
         after = [t for _, t in t_steps if t > t_kill]
         if after:
-            recovery[victim.split("-")[0] if victim.startswith("inference") else victim].append(
-                after[0] - t_kill
-            )
+            recovery[part_kind(victim)].append(after[0] - t_kill)
 
     with EmbeddedServer(root / run_id / "nats") as srv:
         log = await read_log(srv.url, run_id)
@@ -179,6 +184,50 @@ async def chaos(root: Path, steps: int, kills: int, seed: int) -> ChaosResult:
     }
 
 
+def part_kind(victim: str) -> str:
+    """The kind of part a victim is, as the recovery table groups them (both workers: inference)."""
+    return "inference" if victim.startswith("inference") else victim
+
+
+def summary_lines(r: ChaosResult, planned_kills: int) -> list[str]:
+    """The recovery table and the headline lines, each with a clear line where a run too short
+    or too slow left nothing to measure."""
+    injected = r["injected"]
+    by_kind = Counter(part_kind(v) for v, _, _ in injected)
+    out = [f"{'part':<22}{'kills':>6}{'recovered':>10}{'recovery median':>17}{'max':>8}"]
+    for kind, kills in sorted(by_kind.items()):
+        times = r["recovery"].get(kind, [])
+        median = f"{statistics.median(times):.1f}s" if times else "-"
+        longest = f"{max(times):.1f}s" if times else "-"
+        out.append(f"{kind:<22}{kills:>6}{len(times):>10}{median:>17}{longest:>8}")
+    out.append("")
+    short = (
+        f" (the run ended after {r['steps']} steps, before the {planned_kills} planned kills)"
+        if len(injected) < planned_kills
+        else ""
+    )
+    victims = len({v for v, _, _ in injected})
+    out.append(f"faults injected {len(injected)} over {victims} kinds of part (target >= 20){short}")
+    all_times = [t for ts in r["recovery"].values() for t in ts]
+    if all_times:
+        out.append(
+            f"recovery time median {statistics.median(all_times):.1f} s, max {max(all_times):.1f} s"
+            f" ({len(all_times)} of {len(injected)} kills followed by a step)"
+        )
+    else:
+        out.append(
+            f"recovery time: too few recoveries to measure (no step completed after any of "
+            f"{len(injected)} kills)"
+        )
+    out.append(f"rollouts lost {r['lost']} (target 0)")
+    out.append(f"rollouts trained twice {r['trained_twice']} (target 0)")
+    if r["steps"] == 0:
+        out.append("replay verified: too few steps to verify (0 steps) (target yes)")
+    else:
+        out.append(f"replay verified {'yes' if r['replay_verified'] else 'NO'} (target yes)")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=200)
@@ -190,8 +239,6 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         r = asyncio.run(chaos(Path(tmp), args.steps, args.kills, args.seed))
     wall = time.perf_counter() - t0
-    injected = r["injected"]
-    by_part = Counter(v for v, _, _ in injected)
     print()
     print(
         f"run: {r['steps']} steps (contiguous: {r['steps_contiguous']}), "
@@ -202,18 +249,8 @@ def main() -> None:
         f"{r['pending']} still deliverable at the end"
     )
     print(f"restarts seen by the supervisor: {r['restarts']}")
-    print(f"{'part':<22}{'kills':>6}{'recovery median':>17}{'max':>8}")
-    for part, times in sorted(r["recovery"].items()):
-        kills = sum(n for v, n in by_part.items() if v.startswith(part))
-        print(f"{part:<22}{kills:>6}{statistics.median(times):>16.1f}s{max(times):>7.1f}s")
-    print()
-    print(f"faults injected {len(injected)} over {len(by_part)} kinds of part (target >= 20)")
-    all_times = [t for ts in r["recovery"].values() for t in ts]
-    if all_times:
-        print(f"recovery time median {statistics.median(all_times):.1f} s, max {max(all_times):.1f} s")
-    print(f"rollouts lost {r['lost']} (target 0)")
-    print(f"rollouts trained twice {r['trained_twice']} (target 0)")
-    print(f"replay verified {'yes' if r['replay_verified'] else 'NO'} (target yes)")
+    for line in summary_lines(r, args.kills):
+        print(line)
 
 
 if __name__ == "__main__":

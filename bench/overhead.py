@@ -142,7 +142,13 @@ def main() -> None:
             "(target <= 1.0x, floor 1.5x)"
         )
     else:
-        print("overhead jetrl/one-process: not measured (no seed reached the target in both; too few steps)")
+        one = sum(1 for _, one_s, _, _, _ in rows if one_s is not None)
+        jet = sum(1 for _, _, _, jet_s, _ in rows if jet_s is not None)
+        print(
+            f"overhead jetrl/one-process: too few seeds to measure (none reached the reward target in "
+            f"both within {args.max_steps} steps: one process {one} of {len(rows)}, jetrl run {jet} "
+            f"of {len(rows)})"
+        )
 
 
 def _t(s: float | None) -> str:

@@ -1,0 +1,153 @@
+"""The benches' figures on too little data: a clear "too few ... to measure" line, never a crash.
+
+Each bench's figure and summary functions are called on what a slow or loaded machine leaves
+(no steps, a baseline without a rate, no recovery, no routing-changed token); no run is started.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def load_bench(name: str) -> ModuleType:
+    """bench/<name>.py as a module (``async`` is a keyword, so not through ``import``)."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))  # bus.py imports its neighbour load.py
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def async_bench() -> ModuleType:
+    return load_bench("async")
+
+
+def steps_at(times: list[float], **extra: float) -> list[dict[str, float]]:
+    return [{"step": float(i), "t": t, **extra} for i, t in enumerate(times)]
+
+
+def test_async_mode_without_steps_measures_nothing(async_bench: ModuleType) -> None:
+    f = async_bench.mode_figures([], 3.0)
+    assert (f.steps, f.steps_per_min, f.idle, f.staleness, f.reward, f.withheld) == (
+        0,
+        None,
+        None,
+        None,
+        None,
+        0,
+    )
+    line = async_bench.speedup_line(1, f, f)
+    assert line == (
+        "async/sync steps-per-minute k=1: too few steps to measure "
+        "(0 steps in 3 s; 6 needed: 3 warm-up, 3 timed)"
+    )
+    assert async_bench.idle_line(4, f).startswith("trainer idle k=4: too few steps to measure (0 steps")
+
+
+def test_async_few_or_simultaneous_steps_give_no_rate(async_bench: ModuleType) -> None:
+    # Two timed steps (the old code divided by the span of these), then steps all at one instant.
+    assert async_bench.mode_figures(steps_at([1, 2, 3, 4, 5]), 45.0).steps_per_min is None
+    same = async_bench.mode_figures(steps_at([1.0] * 8, trainer_wait_s=0.0, step_s=0.0), 45.0)
+    assert same.steps_per_min is None and same.idle is None
+    assert same.staleness == 0.0 and same.reward == 0.0
+
+
+def test_async_ratio_needs_a_measured_baseline(async_bench: ModuleType) -> None:
+    fast = async_bench.mode_figures(steps_at([0, 1, 2, 3, 4, 5, 6], trainer_wait_s=0.1, step_s=0.9), 45.0)
+    assert fast.steps_per_min == pytest.approx(60.0) and fast.idle == pytest.approx(0.1)
+    slow = async_bench.mode_figures(steps_at([0, 10]), 45.0)
+    assert async_bench.speedup_line(1, fast, slow) == (
+        "async/sync steps-per-minute k=1: no sync baseline to compare with "
+        "(sync: too few steps to measure (2 steps in 45 s; 6 needed: 3 warm-up, 3 timed))"
+    )
+    assert "mode 0 was not run" in async_bench.speedup_line(2, fast, None)
+    assert async_bench.speedup_line(1, fast, fast) == "async/sync steps-per-minute k=1 1.00x (target >= 2x)"
+    assert async_bench.idle_line(1, fast) == "trainer idle k=1 10.0% (target < 10%)"
+
+
+def chaos_result(**over: object) -> dict[str, object]:
+    r: dict[str, object] = {
+        "status": 0,
+        "steps": 0,
+        "steps_contiguous": True,
+        "injected": [],
+        "recovery": {},
+        "scored": 0,
+        "trained": 0,
+        "withheld": 0,
+        "pending": 0,
+        "lost": 0,
+        "trained_twice": 0,
+        "replay_verified": False,
+        "restarts": {},
+    }
+    return r | over
+
+
+def test_chaos_summary_without_kills_or_recoveries() -> None:
+    chaos = load_bench("chaos")
+    lines = chaos.summary_lines(chaos_result(), 22)
+    assert "faults injected 0 over 0 kinds of part (target >= 20) (the run ended after 0 steps" in "\n".join(
+        lines
+    )
+    assert "recovery time: too few recoveries to measure (no step completed after any of 0 kills)" in lines
+    assert "replay verified: too few steps to verify (0 steps) (target yes)" in lines
+    # Kills after the last step: in the table without figures.
+    r = chaos_result(steps=5, injected=[("trainer", 1.0, 5), ("inference-1", 2.0, 5)], replay_verified=True)
+    lines = chaos.summary_lines(r, 2)
+    assert any(line.startswith("inference") and line.rstrip().endswith("-") for line in lines)
+    assert "faults injected 2 over 2 kinds of part (target >= 20)" in lines
+    assert "replay verified yes (target yes)" in lines
+
+
+def test_bus_ratio_lines_when_nothing_was_measured() -> None:
+    bus = load_bench("bus")
+    assert bus.rate(10, 1000, 0.0).events_s > 0  # no ZeroDivisionError
+    zero = {k: bus.Rate(0.0, 0.0) for k in ("pub_raw", "pub_jetrl", "con_raw", "con_jetrl")}
+    assert "not measured (raw nats-py moved no events)" in bus.ratio_line("publish", "small", "", zero, "pub")
+    assert bus.ratio_line("consume", "rollout", "", "0 events", "con") == (
+        "consume ratio rollout: not measured (0 events) (target >= 0.8)"
+    )
+
+
+def test_r3_cut_on_too_few_changed_tokens() -> None:
+    r3 = load_bench("r3")
+    few = {"num_tokens": 3.0, "mismatch_kl": 1e-3}
+    assert r3.kl_cut(few, few, " on routing-changed tokens", 20) == (
+        "mismatch-KL cut on routing-changed tokens: too few tokens to measure (3; 20 needed) (target >= 10x)"
+    )
+    none_left = r3.kl_cut(
+        {"num_tokens": 50.0, "mismatch_kl": 1e-3}, {"num_tokens": 50.0, "mismatch_kl": 0.0}, "", 1
+    )
+    assert "replay leaves no mismatch" in none_left
+    assert r3.kl_cut(
+        {"num_tokens": 50.0, "mismatch_kl": 1e-3}, {"num_tokens": 50.0, "mismatch_kl": 1e-4}, "", 1
+    ) == ("mismatch-KL cut 10.0x (target >= 10x)")
+
+
+def test_r3_routing_sets_compare_as_sets() -> None:
+    r3 = load_bench("r3")
+    rec = torch.tensor([[[[1, 2], [3, 4]], [[0, 1], [2, 3]]]])  # [B=1, L=2, layers=2, k=2]
+    own = torch.tensor([[[[2, 1], [4, 3]], [[0, 1], [2, 5]]]])  # same sets at 0, layer 1 differs at 1
+    assert r3.routing_differs(own, rec).tolist() == [[[False, False], [False, True]]]
+
+
+def test_r3_fed_positions_of_a_row_without_loss_tokens() -> None:
+    r3 = load_bench("r3")
+
+    class Batch:
+        loss_mask = torch.tensor([[False, True, True, False], [False, False, False, False]])
+
+    assert r3.fed_positions(Batch()).tolist() == [[True, True, True, False], [False, False, False, False]]
