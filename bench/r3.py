@@ -6,7 +6,9 @@ from their initialisation. Then inference samples in bf16 (its own copy of the w
 trainer recomputes the same tokens' log-probs in fp32, without and with replaying the routing
 inference recorded. Printed: mean mismatch KL (k3 estimate of KL(pi_inf || pi_train) per token),
 the share of tokens whose probability differs by more than 0.02, the share of (token, layer) router
-decisions that differ between the engines, and the headline cuts.
+decisions that differ between the engines, and the headline cuts: on every completion token, and on
+the routing-changed ones alone, where the trainer's own forward (no replay) picks, in some MoE
+layer, another top-k expert set than inference recorded (captured in that same forward).
 
     python bench/r3.py            # ~1-2 minutes on 2 CPU cores
     python bench/r3.py --quick    # smoke run
@@ -24,7 +26,7 @@ from torch import nn
 from jetrl.policy.loss import LossConfig, group_advantages, mismatch_stats
 from jetrl.policy.models import build_model, get_config
 from jetrl.policy.routing import capture_routing
-from jetrl.policy.sampling import Generation, SamplingConfig, generate, inference_copy
+from jetrl.policy.sampling import PRECISIONS, Generation, Precision, SamplingConfig, generate, inference_copy
 from jetrl.policy.tokenizer import CharTokenizer
 from jetrl.policy.train import (
     Rollout,
@@ -80,8 +82,9 @@ def rollouts(
     n_prompts: int,
     group: int,
     max_tokens: int,
+    precision: Precision = "bf16",
 ) -> tuple[list[Generation], torch.Tensor, nn.Module]:
-    inf = inference_copy(model, "bf16")
+    inf = inference_copy(model, precision)
     prompts, targets = [], []
     for _ in range(n_prompts):
         p, t = make_prompt(tok, rng)
@@ -94,20 +97,47 @@ def rollouts(
     return gens, rewards, inf
 
 
-def routing_flip_rate(model: nn.Module, batch: TrainBatch) -> float:
-    """Share of (token, MoE layer) decisions where the fp32 trainer's own top-k set differs from
-    the recorded bf16 one."""
-    with torch.no_grad(), capture_routing(model) as cap:
-        model(batch.input_ids[:, :-1])
-        own = cap.take().long().sort(-1).values
-    assert batch.routing is not None  # an MoE model's rollouts carry their traces
-    rec = batch.routing.sort(-1).values
-    valid = torch.zeros(batch.routing.shape[:2], dtype=torch.bool)
+# Fewer routing-changed tokens than this and the KL on them is not reported: a handful of
+# tokens make no mean.
+MIN_CHANGED_TOKENS = 20
+
+
+def fed_positions(batch: TrainBatch) -> torch.Tensor:
+    """``[B, L-1]``: every position fed forward (prompt + completion - 1 rows per sequence)."""
+    valid = torch.zeros(batch.loss_mask.shape, dtype=torch.bool)
     for i in range(valid.shape[0]):
-        # every position that was fed forward: prompt + completion - 1 rows
-        valid[i, : int(batch.loss_mask[i].nonzero().max()) + 1] = True
-    diff = (own != rec).any(-1)  # [B, L, layers]
-    return float(diff[valid].float().mean())
+        last = batch.loss_mask[i].nonzero()
+        if last.numel():
+            valid[i, : int(last.max()) + 1] = True
+    return valid
+
+
+def routing_differs(own: torch.Tensor, recorded: torch.Tensor) -> torch.Tensor:
+    """``[B, L, moe_layers]``: whether the trainer's own top-k set (``own``, ``[B, L, layers, k]``)
+    differs from the recorded one, whatever the order the router listed the experts in."""
+    return (own.long().sort(-1).values != recorded.long().sort(-1).values).any(-1)
+
+
+def top_share(logprobs: torch.Tensor, inference_logprobs: torch.Tensor, mask: torch.Tensor) -> float | None:
+    """Share of the mismatch-KL sum over ``mask`` carried by its largest 1% of tokens (at least
+    one); None without tokens or without any mismatch."""
+    lr = (logprobs.double() - inference_logprobs.double())[mask.bool()]
+    k3 = (lr.exp() - 1 - lr).sort(descending=True).values
+    total = float(k3.sum())
+    if k3.numel() == 0 or total <= 0:
+        return None
+    return float(k3[: max(1, k3.numel() // 100)].sum()) / total
+
+
+def kl_cut(plain: dict[str, float], replay: dict[str, float], what: str, min_tokens: int) -> str:
+    """The headline cut line for one set of tokens, or why it cannot be measured."""
+    n = int(plain["num_tokens"])
+    head = f"mismatch-KL cut{what}"
+    if n < min_tokens:
+        return f"{head}: too few tokens to measure ({n}; {min_tokens} needed) (target >= 10x)"
+    if replay["mismatch_kl"] <= 0:
+        return f"{head}: replay leaves no mismatch on these {n} tokens (KL 0; target >= 10x)"
+    return f"{head} {plain['mismatch_kl'] / replay['mismatch_kl']:.1f}x (target >= 10x)"
 
 
 def main() -> None:
@@ -123,10 +153,18 @@ def main() -> None:
     ap.add_argument("--sft-steps", type=int, default=200)
     ap.add_argument("--rl-steps", type=int, default=4)
     ap.add_argument("--eval-prompts", type=int, default=1024)
+    ap.add_argument(
+        "--inference-precision",
+        default="bf16",
+        choices=sorted(PRECISIONS),
+        help="of the measured samples (the RL steps sample in bf16); fp32 is the control: no mismatch",
+    )
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     if args.quick:
         args.sft_steps, args.rl_steps, args.eval_prompts = 20, 1, 128
+    if args.eval_prompts < 1:
+        ap.error("--eval-prompts must be at least 1")
 
     t0 = time.perf_counter()
     set_deterministic(args.seed)
@@ -162,33 +200,93 @@ def main() -> None:
             f"masked {m['masked_frac']:.3f}  entropy {m['entropy']:.3f}"
         )
 
-    # Measurement: bf16 inference samples, fp32 trainer recomputes, with and without replay.
+    # Measurement: inference samples (bf16 by default), the fp32 trainer recomputes, with and
+    # without replay. The unreplayed forward records the trainer's own routing, to find the tokens
+    # it routes otherwise.
     model.eval()
-    gens, rewards, _ = rollouts(model, tok, rng, gen, n_prompts=args.eval_prompts, group=1, max_tokens=10)
+    gens, rewards, _ = rollouts(
+        model, tok, rng, gen, args.eval_prompts, group=1, max_tokens=10, precision=args.inference_precision
+    )
     batch = collate([Rollout(g.prompt_ids, g.completion_ids, g.logprobs, 0.0, g.routing) for g in gens], cfg)
+    assert batch.routing is not None  # an MoE model's rollouts carry their traces
     with torch.no_grad():
-        lp_plain, _ = compute_logprobs(model, batch, replay=False)
+        with capture_routing(model) as cap:
+            lp_plain, _ = compute_logprobs(model, batch, replay=False)
+            own = cap.take()
         lp_replay, _ = compute_logprobs(model, batch, replay=True)
-    plain = mismatch_stats(lp_plain, batch.inference_logprobs, batch.loss_mask, args.gap)
-    replay = mismatch_stats(lp_replay, batch.inference_logprobs, batch.loss_mask, args.gap)
-    flips = routing_flip_rate(model, batch)
+    differs = routing_differs(own, batch.routing)  # [B, L-1, layers]
+    fed = fed_positions(batch)
+    decisions = float(differs[fed].float().mean()) if bool(fed.any()) else 0.0
+    # Completion token j is predicted at position P - 1 + j: a token is routing-changed when that
+    # position was routed otherwise in any MoE layer.
+    completion = batch.loss_mask.bool()
+    at = differs.any(-1)  # [B, L-1]: routed otherwise in some layer at this position
+    changed = completion & at
+    # Routed alike here and at every earlier position: nothing routed otherwise reaches the token
+    # through attention either, so replay changes nothing there (the precision floor).
+    clean = completion & ~(at & fed).cumsum(-1).bool()
+    sets = {"all": completion, "changed": changed, "same": completion & ~changed, "clean": clean}
+    arms = (("no replay", lp_plain), ("router replay", lp_replay))
+    stats = {
+        name: {arm: mismatch_stats(lp, batch.inference_logprobs, mask, args.gap) for arm, lp in arms}
+        for name, mask in sets.items()
+    }
+    tops = {
+        name: {arm: top_share(lp, batch.inference_logprobs, mask) for arm, lp in arms}
+        for name, mask in sets.items()
+    }
+    n_all, n_changed = int(completion.sum()), int(changed.sum())
+    share = n_changed / n_all if n_all else 0.0
 
     print(
-        f"eval: {len(gens)} sequences, {int(plain['num_tokens'])} completion tokens, "
-        f"reward {float(rewards.mean()):.3f}; router decisions differing bf16 vs fp32: {flips:.2%}"
+        f"eval: {len(gens)} sequences, {n_all} completion tokens, reward {float(rewards.mean()):.3f}; "
+        f"router decisions differing {args.inference_precision} vs fp32: {decisions:.2%}"
     )
-    print(f"{'':14}{'mismatch-KL':>14}{f'gap>{args.gap}':>10}{'ratio min':>11}{'ratio max':>11}")
-    for name, s in (("no replay", plain), ("router replay", replay)):
-        print(
-            f"{name:14}{s['mismatch_kl']:>14.3e}{s['gap_frac']:>10.4f}{s['ratio_min']:>11.4f}{s['ratio_max']:>11.4f}"
-        )
-    kl_cut = plain["mismatch_kl"] / max(replay["mismatch_kl"], 1e-30)
+    print(
+        f"completion tokens routed otherwise by the fp32 trainer (any MoE layer): {n_changed} of "
+        f"{n_all} ({share:.2%})"
+    )
+    gap_col = f"gap>{args.gap}"
+    print(
+        f"{'tokens':9}{'n':>6}  {'':14}{'mismatch-KL':>12}{'top 1%':>8}{gap_col:>10}"
+        f"{'ratio min':>11}{'ratio max':>11}"
+    )
+    for name, by_arm in stats.items():
+        for arm, st in by_arm.items():
+            n = int(st["num_tokens"])
+            if n == 0:
+                print(f"{name:9}{n:>6}  {arm:14}{'no tokens':>12}")
+                continue
+            top = tops[name][arm]
+            shown = f"{top:.0%}" if top is not None else "-"
+            print(
+                f"{name:9}{n:>6}  {arm:14}{st['mismatch_kl']:>12.3e}{shown:>8}{st['gap_frac']:>10.4f}"
+                f"{st['ratio_min']:>11.4f}{st['ratio_max']:>11.4f}"
+            )
+    print(
+        "(changed: routed otherwise at the token's position in the trainer's own forward; same: "
+        "routed alike there; clean: routed alike there and at every earlier position; "
+        "top 1%: share of the KL carried by the largest 1% of the tokens)"
+    )
+    plain, replay = stats["all"]["no replay"], stats["all"]["router replay"]
     if replay["gap_frac"] > 0:
         gap_cut = f"{plain['gap_frac'] / replay['gap_frac']:.1f}x"
+    elif plain["gap_frac"] > 0:
+        gap_cut = "all removed"
     else:
-        gap_cut = "n/a (no large-gap tokens left)" if plain["gap_frac"] == 0 else "inf"
+        gap_cut = "n/a (no large-gap tokens in either)"
     print(f"elapsed {time.perf_counter() - t0:.1f}s")
-    print(f"mismatch-KL cut {kl_cut:.1f}x (target >= 10x)")
+    print(kl_cut(plain, replay, "", 1))
+    changed_stats = stats["changed"]
+    print(
+        kl_cut(
+            changed_stats["no replay"],
+            changed_stats["router replay"],
+            " on routing-changed tokens",
+            MIN_CHANGED_TOKENS,
+        )
+    )
+    print(f"routing-changed token share {share:.2%} ({n_changed} of {n_all} completion tokens)")
     shares = f"{plain['gap_frac']:.2%} -> {replay['gap_frac']:.2%}"
     print(f"large-gap (>{args.gap}) token share cut {gap_cut} ({shares})")
 
