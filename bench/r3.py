@@ -10,7 +10,7 @@ decisions that differ between the engines, and the headline cuts: on every compl
 the routing-changed ones alone, where the trainer's own forward (no replay) picks, in some MoE
 layer, another top-k expert set than inference recorded (captured in that same forward).
 
-    python bench/r3.py            # ~1-2 minutes on 2 CPU cores
+    python bench/r3.py            # ~3 minutes on 2 (shared) CPU cores
     python bench/r3.py --quick    # smoke run
 """
 
