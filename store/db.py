@@ -6,9 +6,10 @@ recorder; PostgreSQL is reached by URL through psycopg 3 (``postgresql+psycopg:/
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -100,21 +101,79 @@ def head_revision() -> str | None:
     return ScriptDirectory.from_config(alembic_config()).get_current_head()
 
 
+class _Checkpointer:
+    """SQLite's WAL checkpoints on a thread of their own, after commits, at most one at a time
+    and one per ``every_s``: a PASSIVE checkpoint copies what it can of the WAL into the
+    database file and syncs it, never waiting for readers or the writer."""
+
+    def __init__(self, engine: sa.Engine, every_s: float) -> None:
+        self.engine = engine
+        self.every_s = every_s
+        self.checkpoints = 0
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="store-checkpoints", daemon=True)
+        self._thread.start()
+
+    def poke(self) -> None:
+        self._wake.set()
+
+    def _loop(self) -> None:
+        while True:
+            self._wake.wait()
+            if self._stopping.is_set():
+                return
+            self._wake.clear()
+            try:
+                with self.engine.connect() as conn:
+                    driver = conn.connection.driver_connection
+                    assert driver is not None
+                    driver.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                self.checkpoints += 1
+            except Exception as exc:  # the next commit pokes again; the WAL only grows meanwhile
+                log.warning("store_checkpoint_failed", error=repr(exc))
+            if self._stopping.wait(self.every_s):
+                return
+
+    def close(self) -> None:
+        self._stopping.set()
+        self._wake.set()
+        self._thread.join()
+
+
 @dataclass
 class Store:
     """A migrated database holding one or more runs' projections."""
 
     engine: sa.Engine
+    _checkpointer: _Checkpointer | None = field(default=None, repr=False)
 
     @property
     def backend(self) -> str:
         return self.engine.dialect.name
 
+    def checkpoint_in_background(self, every_s: float = 0.5) -> None:
+        """SQLite: take WAL checkpoints off this store's commits. By default the connection
+        that commits runs a checkpoint (copy the WAL into the database file, then sync it)
+        whenever the WAL passes 1,000 pages, inside ``commit``; for a steady writer such as the
+        recorder that was most of a commit's time. Here writes switch automatic checkpoints
+        off and a thread checkpoints after them instead. Idempotent; PostgreSQL: nothing."""
+        if self.backend == "sqlite" and self._checkpointer is None:
+            self._checkpointer = _Checkpointer(self.engine, every_s)
+
     @contextmanager
     def write(self) -> Iterator[sa.Connection]:
         """One write transaction (BEGIN IMMEDIATE on SQLite)."""
-        with self.engine.connect().execution_options(sqlite_begin="IMMEDIATE") as conn, conn.begin():
-            yield conn
+        ckpt = self._checkpointer
+        with self.engine.connect().execution_options(sqlite_begin="IMMEDIATE") as conn:
+            if ckpt is not None:
+                driver = conn.connection.driver_connection
+                assert driver is not None
+                driver.execute("PRAGMA wal_autocheckpoint=0")  # per connection, not per transaction
+            with conn.begin():
+                yield conn
+        if ckpt is not None:
+            ckpt.poke()
 
     @contextmanager
     def read(self) -> Iterator[sa.Connection]:
@@ -122,6 +181,9 @@ class Store:
             yield conn
 
     def close(self) -> None:
+        if self._checkpointer is not None:
+            self._checkpointer.close()
+            self._checkpointer = None
         self.engine.dispose()
 
     def __enter__(self) -> Store:

@@ -11,6 +11,12 @@ of the event that wrote it and is written "first fact wins" or "last state wins"
 sequence, so applying the same events twice, or the groups of a batch in any order, yields the
 same row (docs/store.md, "How the recorder stays exact").
 
+Each table's upsert is built once per dialect with SQLAlchemy Core and compiled once
+(:class:`TableWriter`); a batch then goes straight to the driver, converted by the same bind
+processors SQLAlchemy would apply (so the stored values are the ones ``conn.execute`` would
+store): one ``executemany`` on SQLite, and on PostgreSQL a binary ``COPY`` into a temporary
+staging table followed by one ``INSERT ... SELECT ... ON CONFLICT`` (docs/store.md, "Speed").
+
 This module holds the fold, the SQL and the tracking row; what each event writes is in
 store/projectors.py, each table's key and column groups in store/specs.py, and columns
 computed from others (staleness) in store/derived.py, shared by the fold and the SQL.
@@ -18,19 +24,41 @@ computed from others (staleness) in store/derived.py, shared by the fold and the
 
 from __future__ import annotations
 
+import operator
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.schema import CreateTable
 
 from jetrl.store import schema as sc
-from jetrl.store.projectors import LogItem, partials
+from jetrl.store.projectors import Logged, LogItem, partials
 from jetrl.store.specs import SPECS, Group, Spec
 
-__all__ = ["ApplyResult", "LogItem", "apply_batch", "fold", "read_offset", "upsert_rows"]
+__all__ = [
+    "ApplyResult",
+    "LogItem",
+    "Logged",
+    "PreparedBatch",
+    "TableWriter",
+    "TrackingRowBehind",
+    "apply_batch",
+    "fold",
+    "prepare_batch",
+    "read_offset",
+    "upsert_rows",
+    "write_batch",
+    "write_tables",
+]
+
+
+class TrackingRowBehind(RuntimeError):
+    """The tracking row is below the last sequence its writer committed: commits were lost (a
+    PostgreSQL server that crashed while commits were asynchronous, a restored backup). The
+    events after the row must be read again from the log, not skipped."""
 
 
 @dataclass(frozen=True)
@@ -44,7 +72,7 @@ class ApplyResult:
 # ----------------------------------------------------------------------------- fold
 
 
-def fold(items: Iterable[LogItem]) -> dict[str, list[dict[str, Any]]]:
+def fold(items: Iterable[Logged]) -> dict[str, list[dict[str, Any]]]:
     """Fold events (in seq order) into at most one full row per table key.
 
     Within the batch the same rules hold as in SQL: a whole-row fact or a "first" group keeps
@@ -52,24 +80,27 @@ def fold(items: Iterable[LogItem]) -> dict[str, list[dict[str, Any]]]:
     acc: dict[Spec, dict[tuple[Any, ...], dict[str, Any]]] = {s: {} for s in SPECS}
     for item in items:
         for p in partials(item):
-            rows = acc[p.spec]
+            spec = p.spec
+            rows = acc[spec]
             row = rows.get(p.key)
             if p.group is None:
                 if row is None:
-                    rows[p.key] = {**dict(zip(p.spec.key, p.key, strict=True)), **p.values}
+                    row = dict(zip(spec.key, p.key, strict=True))
+                    row.update(p.values)
+                    rows[p.key] = row
                 continue
             if row is None:
-                row = dict.fromkeys(p.spec.columns)
-                row.update(zip(p.spec.key, p.key, strict=True))
+                row = spec.empty_row(p.key)
                 rows[p.key] = row
-            g = p.spec.group(p.group)
+            g = spec.groups_by_seq[p.group]
             current = row[g.seq_col]
             if current is None or (g.mode == "last" and p.seq > current):
                 row.update(p.values)
                 row[g.seq_col] = p.seq
-            for k, v in p.defaults.items():
-                if row[k] is None:
-                    row[k] = v
+            if p.defaults:
+                for k, v in p.defaults.items():
+                    if row[k] is None:
+                        row[k] = v
     out: dict[str, list[dict[str, Any]]] = {}
     for spec, rows in acc.items():
         if not rows:
@@ -99,9 +130,13 @@ def _group_applies(t: sa.Table, x: Any, g: Group) -> sa.ColumnElement[bool]:
     return sa.and_(new.is_not(None), sa.or_(old.is_(None), new > old))
 
 
-def _upsert_statement(dialect: str, spec: Spec) -> Any:
+def _upsert_statement(dialect: str, spec: Spec, source: sa.Table | None = None) -> Any:
+    """The upsert of ``spec``'s rows: of one row of parameters, or (``source``) of every row
+    of a table with the same columns."""
     t = spec.table
     stmt = _dialect_insert(dialect, t)
+    if source is not None:
+        stmt = stmt.from_select(list(spec.columns), sa.select(*(source.c[c] for c in spec.columns)))
     if not spec.groups:
         return stmt.on_conflict_do_nothing(index_elements=list(spec.key))
     x = stmt.excluded
@@ -117,18 +152,135 @@ def _upsert_statement(dialect: str, spec: Spec) -> Any:
     return stmt.on_conflict_do_update(index_elements=list(spec.key), set_=set_)
 
 
-_STATEMENTS: dict[tuple[str, str], Any] = {}
+Converter = Callable[[Any], Any]
+
+
+class TableWriter:
+    """One table's upsert for one dialect, compiled once.
+
+    It takes full rows (dicts with every column, as :func:`fold` makes them) and hands them to
+    the driver in one go (:func:`write_tables`). Values are converted by the bind processor
+    SQLAlchemy has for each column's type on that dialect (JSON to text on SQLite, ``Jsonb`` on
+    PostgreSQL, floats and booleans coerced), so a row is stored exactly as
+    ``conn.execute(insert, rows)`` would store it; what is skipped is SQLAlchemy's per-execute
+    and per-row set-up around them.
+
+    * SQLite: the compiled ``INSERT ... VALUES (?, ...) ON CONFLICT ...`` through the driver's
+      ``executemany`` (its loop over the rows is C).
+    * PostgreSQL: a binary ``COPY`` into a temporary staging table of the same columns
+      (``pg_temp.jetrl_stage_<table>``, created on first use in a session, emptied at commit),
+      then one ``INSERT ... SELECT ... ON CONFLICT ...`` from it, then the staging rows are
+      deleted (so a second batch in the same transaction starts empty). The server runs one
+      statement per table and batch instead of one per row, and the client's per-row work is
+      psycopg's C row encoder.
+    """
+
+    def __init__(self, spec: Spec, dialect: sa.Dialect) -> None:
+        self.spec = spec
+        self.dialect_name = dialect.name
+        t = spec.table
+        self.columns: tuple[str, ...] = spec.columns
+        self._values = operator.itemgetter(*self.columns)
+        self._converters: tuple[tuple[int, Converter], ...] = tuple(
+            (i, proc)
+            for i, c in enumerate(self.columns)
+            if (proc := t.c[c].type.dialect_impl(dialect).bind_processor(dialect)) is not None
+        )
+        if dialect.name == "postgresql":
+            staging = sa.Table(
+                f"jetrl_stage_{t.name}",
+                sa.MetaData(),
+                *(sa.Column(c.name, c.type) for c in t.columns),  # no constraints: the target checks
+                schema="pg_temp",
+                prefixes=["TEMPORARY"],
+                postgresql_on_commit="DELETE ROWS",
+            )
+            name = f"pg_temp.{staging.name}"
+            self.create_staging = str(CreateTable(staging, if_not_exists=True).compile(dialect=dialect))
+            self.copy = f"COPY {name} ({', '.join(self.columns)}) FROM STDIN (FORMAT BINARY)"
+            # psycopg names types as PostgreSQL does, without a length ("varchar", "double precision").
+            self.copy_types = [
+                t.c[c].type.compile(dialect=dialect).split("(")[0].lower() for c in self.columns
+            ]
+            upsert = str(_upsert_statement("postgresql", spec, staging).compile(dialect=dialect))
+            self.merge = f"{upsert}; DELETE FROM {name}"
+        elif dialect.name == "sqlite":
+            compiled = _upsert_statement("sqlite", spec).compile(
+                dialect=dialect, column_keys=list(self.columns)
+            )
+            if tuple(compiled.positiontup or ()) != self.columns:
+                raise AssertionError(f"{t.name}: upsert parameters are not the table's columns in order")
+            self.upsert = str(compiled)
+        else:
+            raise NotImplementedError(f"the store supports sqlite and postgresql, not {dialect.name}")
+
+    def params(self, rows: Iterable[dict[str, Any]]) -> list[Sequence[Any]]:
+        """Each row's values in column order, converted as SQLAlchemy would bind them."""
+        get, converters = self._values, self._converters
+        try:
+            if not converters:
+                return [get(r) for r in rows]
+            out: list[Sequence[Any]] = []
+            for r in rows:
+                vals = list(get(r))
+                for i, conv in converters:
+                    vals[i] = conv(vals[i])
+                out.append(vals)
+            return out
+        except KeyError as exc:  # a projector left a column of a whole-row fact out
+            raise KeyError(f"{self.spec.table.name}: a row has no value for column {exc}") from None
+
+    def stage(self, cur: Any, rows: Sequence[dict[str, Any]]) -> None:
+        """PostgreSQL: COPY ``rows`` into the (existing) staging table."""
+        with cur.copy(self.copy) as copy:
+            copy.set_types(self.copy_types)
+            for p in self.params(rows):
+                copy.write_row(p)
+
+
+def write_tables(conn: sa.Connection, writes: Sequence[tuple[TableWriter, Sequence[dict[str, Any]]]]) -> None:
+    """Upsert each writer's rows, in the order given, inside ``conn``'s transaction. On
+    PostgreSQL that is one round trip to make sure the staging tables exist, one ``COPY`` per
+    table, and one for every table's merge."""
+    writes = [(w, rows) for w, rows in writes if rows]
+    if not writes:
+        return
+    driver = conn.connection.driver_connection
+    if driver is None:
+        raise RuntimeError("the store's connection has no driver connection")
+    cur = driver.cursor()
+    try:
+        if conn.dialect.name == "sqlite":
+            for w, rows in writes:
+                cur.executemany(w.upsert, w.params(rows))
+            return
+        # Statements without parameters: psycopg sends them as one simple query.
+        cur.execute("; ".join(w.create_staging for w, _ in writes))
+        for w, rows in writes:
+            w.stage(cur, rows)
+        cur.execute("; ".join(w.merge for w, _ in writes))
+    finally:
+        cur.close()
+
+
+_WRITERS: dict[tuple[int, str], TableWriter] = {}
+
+
+def _writer(conn: sa.Connection, spec: Spec) -> TableWriter:
+    # Keyed by the dialect object (one per engine): its settings are part of the compiled SQL.
+    key = (id(conn.dialect), spec.table.name)
+    w = _WRITERS.get(key)
+    if w is None or w.dialect_name != conn.dialect.name:
+        w = _WRITERS[key] = TableWriter(spec, conn.dialect)
+    return w
+
+
+_SPECS_BY_TABLE = {s.table.name: s for s in SPECS}
 
 
 def upsert_rows(conn: sa.Connection, table: str, rows: Sequence[dict[str, Any]]) -> None:
-    if not rows:
-        return
-    dialect = conn.dialect.name
-    stmt = _STATEMENTS.get((dialect, table))
-    if stmt is None:
-        spec = next(s for s in SPECS if s.table.name == table)
-        stmt = _STATEMENTS[(dialect, table)] = _upsert_statement(dialect, spec)
-    conn.execute(stmt, list(rows))
+    """Upsert full rows of ``table`` (as :func:`fold` makes them) inside ``conn``'s transaction."""
+    write_tables(conn, [(_writer(conn, _SPECS_BY_TABLE[table]), rows)])
 
 
 def read_offset(conn: sa.Connection, stream: str, consumer: str, *, lock: bool = False) -> int:
@@ -164,29 +316,90 @@ def _write_offset(
     conn.execute(stmt)
 
 
+@dataclass(frozen=True)
+class PreparedBatch:
+    """A batch folded against the tracking row at ``after_seq``, ready to write: its rows, the
+    sequence the tracking row moves to, and the time of its last event."""
+
+    after_seq: int
+    rows: dict[str, list[dict[str, Any]]]
+    applied: int
+    skipped: int
+    top_seq: int
+    last_event_at: float | None
+
+
+def prepare_batch(
+    items: Sequence[Logged], *, after_seq: int, through_seq: int | None = None
+) -> PreparedBatch:
+    """Fold the events of ``items`` after ``after_seq`` (no database needed)."""
+    fresh = sorted((i for i in items if i.seq > after_seq), key=lambda i: i.seq)
+    top_seq = max([after_seq, *(i.seq for i in fresh), *([through_seq] if through_seq is not None else [])])
+    return PreparedBatch(
+        after_seq=after_seq,
+        rows=fold(fresh) if fresh else {},
+        applied=len(fresh),
+        skipped=len(items) - len(fresh),
+        top_seq=top_seq,
+        last_event_at=fresh[-1].event.time if fresh else None,
+    )
+
+
+def _locked_offset(conn: sa.Connection, stream: str, consumer: str, committed_seq: int | None) -> int:
+    last = read_offset(conn, stream, consumer, lock=True)
+    if committed_seq is not None and last < committed_seq:
+        raise TrackingRowBehind(
+            f"tracking row of {stream}/{consumer} is at {last}, but {committed_seq} was committed"
+        )
+    return last
+
+
+def _write_prepared(
+    conn: sa.Connection, batch: PreparedBatch, last: int, *, run_id: str, stream: str, consumer: str
+) -> ApplyResult:
+    if batch.top_seq <= last:  # nothing after the tracking row
+        return ApplyResult(applied=0, skipped=batch.applied + batch.skipped, last_seq=last, rows=0)
+    writes = [
+        (_writer(conn, spec), batch.rows[spec.table.name]) for spec in SPECS if spec.table.name in batch.rows
+    ]
+    write_tables(conn, writes)
+    _write_offset(conn, stream, consumer, run_id, batch.top_seq, batch.last_event_at)
+    n = sum(len(r) for _, r in writes)
+    return ApplyResult(applied=batch.applied, skipped=batch.skipped, last_seq=batch.top_seq, rows=n)
+
+
 def apply_batch(
     conn: sa.Connection,
     *,
     run_id: str,
     stream: str,
     consumer: str,
-    items: Sequence[LogItem],
+    items: Sequence[Logged],
     through_seq: int | None = None,
+    committed_seq: int | None = None,
 ) -> ApplyResult:
     """Apply ``items`` and move the tracking row, inside the caller's transaction (use
     ``Store.write()``). Events at or below the tracking row are skipped. ``through_seq`` moves
-    the tracking row past sequences that carried nothing to record (dead-lettered messages)."""
-    last = read_offset(conn, stream, consumer, lock=True)
-    fresh = sorted((i for i in items if i.seq > last), key=lambda i: i.seq)
-    top_seq = max([last, *(i.seq for i in fresh), *([through_seq] if through_seq is not None else [])])
-    if top_seq == last:
-        return ApplyResult(applied=0, skipped=len(items), last_seq=last, rows=0)
-    rows = fold(fresh)
-    n = 0
-    for spec in SPECS:
-        batch = rows.get(spec.table.name)
-        if batch:
-            upsert_rows(conn, spec.table.name, batch)
-            n += len(batch)
-    _write_offset(conn, stream, consumer, run_id, top_seq, fresh[-1].event.time if fresh else None)
-    return ApplyResult(applied=len(fresh), skipped=len(items) - len(fresh), last_seq=top_seq, rows=n)
+    the tracking row past sequences that carried nothing to record (dead-lettered messages).
+    ``committed_seq``, the last sequence the caller has committed, makes a tracking row below
+    it an error (:class:`TrackingRowBehind`) instead of a gap."""
+    last = _locked_offset(conn, stream, consumer, committed_seq)
+    batch = prepare_batch(items, after_seq=last, through_seq=through_seq)
+    return _write_prepared(conn, batch, last, run_id=run_id, stream=stream, consumer=consumer)
+
+
+def write_batch(
+    conn: sa.Connection,
+    batch: PreparedBatch,
+    *,
+    run_id: str,
+    stream: str,
+    consumer: str,
+    committed_seq: int | None = None,
+) -> ApplyResult:
+    """Write a batch folded elsewhere (:func:`prepare_batch`) and move the tracking row, as
+    :func:`apply_batch` does. Folded against a tracking row that has moved on since, the batch
+    holds events at or below the row again: their upserts change nothing (each group is
+    guarded by its sequence), and the row moves only forward."""
+    last = _locked_offset(conn, stream, consumer, committed_seq)
+    return _write_prepared(conn, batch, last, run_id=run_id, stream=stream, consumer=consumer)

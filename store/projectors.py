@@ -9,9 +9,9 @@ for columns still empty on insert. Merging parts into rows is the fold's job
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, TypeAlias, TypeVar, cast
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeAlias, TypeVar, cast
 
 from jetrl.bus import events as ev
 from jetrl.store.specs import (
@@ -27,7 +27,19 @@ from jetrl.store.specs import (
     Spec,
 )
 
-__all__ = ["PROJECTORS", "LogItem", "Partial", "partials"]
+__all__ = ["PROJECTORS", "LogItem", "Logged", "Partial", "partials"]
+
+
+class Logged(Protocol):
+    """One event of the log as the projection sees it: its stream sequence, the subject it was
+    published on and the decoded event (a :class:`LogItem`, or a bus delivery as it is)."""
+
+    @property
+    def seq(self) -> int: ...
+    @property
+    def subject(self) -> str: ...
+    @property
+    def event(self) -> ev.Event: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,13 +60,13 @@ class Partial:
     seq: int
     values: dict[str, Any]
     group: str | None = None
-    defaults: dict[str, Any] = field(default_factory=dict)
+    defaults: Mapping[str, Any] | None = None
 
 
 # ----------------------------------------------------------------------------- value helpers
 
 
-def _finite(d: dict[str, Any]) -> dict[str, Any]:
+def _finite(d: Mapping[str, Any]) -> dict[str, Any]:
     # JSON (and PostgreSQL's jsonb) has no NaN/Infinity: keep them readable as strings.
     out: dict[str, Any] = {}
     for k, v in d.items():
@@ -122,7 +134,7 @@ def _worker_kind(subject: str) -> str:
 # ----------------------------------------------------------------------------- projectors
 
 
-def _run_started(item: LogItem, b: ev.RunStarted) -> list[Partial]:
+def _run_started(item: Logged, b: ev.RunStarted) -> list[Partial]:
     e = item.event
     values = {
         "tenant": e.tenant,
@@ -136,13 +148,13 @@ def _run_started(item: LogItem, b: ev.RunStarted) -> list[Partial]:
     return [Partial(RUNS, (e.run_id,), item.seq, values, "started_seq", {"status": "running"})]
 
 
-def _run_finished(item: LogItem, b: ev.RunFinished) -> list[Partial]:
+def _run_finished(item: Logged, b: ev.RunFinished) -> list[Partial]:
     e = item.event
     values = {"status": b.status, "steps": b.steps, "finish_reason": b.reason, "finished_at": e.time}
     return [Partial(RUNS, (e.run_id,), item.seq, values, "finished_seq", {"tenant": e.tenant})]
 
 
-def _task_submitted(item: LogItem, b: ev.TaskSubmitted) -> list[Partial]:
+def _task_submitted(item: Logged, b: ev.TaskSubmitted) -> list[Partial]:
     e = item.event
     values = {
         "tenant": e.tenant,
@@ -161,7 +173,7 @@ def _task_submitted(item: LogItem, b: ev.TaskSubmitted) -> list[Partial]:
     return [Partial(TASKS, (e.run_id, b.task_id), item.seq, values)]
 
 
-def _generation_completed(item: LogItem, b: ev.GenerationCompleted) -> list[Partial]:
+def _generation_completed(item: Logged, b: ev.GenerationCompleted) -> list[Partial]:
     e = item.event
     values = {
         "generation_id": b.generation_id,
@@ -187,7 +199,7 @@ def _generation_completed(item: LogItem, b: ev.GenerationCompleted) -> list[Part
     return [Partial(GENERATIONS, (e.run_id, e.event_id), item.seq, values)]
 
 
-def _rollout_scored(item: LogItem, b: ev.RolloutScored) -> list[Partial]:
+def _rollout_scored(item: Logged, b: ev.RolloutScored) -> list[Partial]:
     e = item.event
     values = {
         "tenant": e.tenant,
@@ -198,7 +210,7 @@ def _rollout_scored(item: LogItem, b: ev.RolloutScored) -> list[Partial]:
         "sample_index": b.sample_index,
         "group_size": b.group_size,
         "reward": b.reward,
-        "reward_parts": _finite(dict(b.reward_parts)),
+        "reward_parts": _finite(b.reward_parts),
         "policy_version_start": b.policy_version_start,
         "policy_version_end": b.policy_version_end,
         "prompt_tokens": _length(b.prompt_tokens),
@@ -215,7 +227,7 @@ def _rollout_scored(item: LogItem, b: ev.RolloutScored) -> list[Partial]:
     return [Partial(ROLLOUTS, (e.run_id, b.rollout_id), item.seq, values, "scored_seq")]
 
 
-def _rollout_withheld(item: LogItem, b: ev.RolloutWithheld) -> list[Partial]:
+def _rollout_withheld(item: Logged, b: ev.RolloutWithheld) -> list[Partial]:
     e = item.event
     values = {
         "withheld_reason": b.reason,
@@ -230,12 +242,12 @@ def _rollout_withheld(item: LogItem, b: ev.RolloutWithheld) -> list[Partial]:
     return [Partial(ROLLOUTS, (e.run_id, b.rollout_id), item.seq, values, "withheld_seq", defaults)]
 
 
-def _step_completed(item: LogItem, b: ev.StepCompleted) -> list[Partial]:
+def _step_completed(item: Logged, b: ev.StepCompleted) -> list[Partial]:
     e, seq, run = item.event, item.seq, item.event.run_id
     values = {
         "policy_version": b.policy_version,
         "num_rollouts": len(b.rollout_ids),
-        "metrics": _finite(dict(b.metrics)),
+        "metrics": _finite(b.metrics),
         "tokens": b.tokens,
         "duration_s": b.duration_s,
         "completed_at": e.time,
@@ -252,7 +264,7 @@ def _step_completed(item: LogItem, b: ev.StepCompleted) -> list[Partial]:
     return out
 
 
-def _policy_version_published(item: LogItem, b: ev.PolicyVersionPublished) -> list[Partial]:
+def _policy_version_published(item: Logged, b: ev.PolicyVersionPublished) -> list[Partial]:
     e = item.event
     values = {
         "step": b.step,
@@ -263,7 +275,7 @@ def _policy_version_published(item: LogItem, b: ev.PolicyVersionPublished) -> li
     return [Partial(POLICY_VERSIONS, (e.run_id, b.version), item.seq, values, "published_seq")]
 
 
-def _weights_ready(item: LogItem, b: ev.WeightsReady) -> list[Partial]:
+def _weights_ready(item: Logged, b: ev.WeightsReady) -> list[Partial]:
     e, loc = item.event, b.location
     values = {
         "location": _ref(loc),
@@ -278,13 +290,13 @@ def _weights_ready(item: LogItem, b: ev.WeightsReady) -> list[Partial]:
     return [Partial(POLICY_VERSIONS, (e.run_id, b.version), item.seq, values, "ready_seq")]
 
 
-def _worker_heartbeat(item: LogItem, b: ev.WorkerHeartbeat) -> list[Partial]:
+def _worker_heartbeat(item: Logged, b: ev.WorkerHeartbeat) -> list[Partial]:
     e, seq, key = item.event, item.seq, (item.event.run_id, b.worker_id)
     values = {
         "kind": b.kind,
         "status": b.status,
         "inflight": b.inflight,
-        "stats": _finite(dict(b.stats)),
+        "stats": _finite(b.stats),
         "last_heartbeat_at": e.time,
     }
     out = [Partial(WORKERS, key, seq, values, "heartbeat_seq")]
@@ -294,7 +306,7 @@ def _worker_heartbeat(item: LogItem, b: ev.WorkerHeartbeat) -> list[Partial]:
     return out
 
 
-def _weights_loaded(item: LogItem, b: ev.WeightsLoaded) -> list[Partial]:
+def _weights_loaded(item: Logged, b: ev.WeightsLoaded) -> list[Partial]:
     e, seq, key = item.event, item.seq, (item.event.run_id, b.worker_id)
     kind = _worker_kind(item.subject)
     loaded = {"loaded_version": b.version, "loaded_at": e.time}
@@ -305,7 +317,7 @@ def _weights_loaded(item: LogItem, b: ev.WeightsLoaded) -> list[Partial]:
     ]
 
 
-def _dead_lettered(item: LogItem, b: ev.DeadLettered) -> list[Partial]:
+def _dead_lettered(item: Logged, b: ev.DeadLettered) -> list[Partial]:
     e = item.event
     values = {
         "reason": b.reason,
@@ -327,7 +339,7 @@ def _dead_lettered(item: LogItem, b: ev.DeadLettered) -> list[Partial]:
 # ----------------------------------------------------------------------------- the table
 
 B = TypeVar("B", bound=ev.EventBody)
-Projector: TypeAlias = Callable[[LogItem, B], list[Partial]]
+Projector: TypeAlias = Callable[[Logged, B], list[Partial]]
 
 
 def _entry(body: type[B], projector: Projector[B]) -> tuple[type[ev.EventBody], Projector[ev.EventBody]]:
@@ -354,7 +366,7 @@ PROJECTORS: dict[type[ev.EventBody], Projector[ev.EventBody]] = dict(
 )
 
 
-def partials(item: LogItem) -> list[Partial]:
+def partials(item: Logged) -> list[Partial]:
     """The row parts one event writes (empty for an event with no projection)."""
     body = item.event.body
     projector = PROJECTORS.get(type(body))

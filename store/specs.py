@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import sqlalchemy as sa
 
@@ -52,11 +52,22 @@ class Spec:
     def columns(self) -> tuple[str, ...]:  # read for every new row folded: built once
         return tuple(c.name for c in self.table.columns)
 
+    @functools.cached_property
+    def groups_by_seq(self) -> dict[str, Group]:
+        return {g.seq_col: g for g in self.groups}
+
+    @functools.cached_property
+    def _empty(self) -> dict[str, Any]:
+        return dict.fromkeys(self.columns)
+
+    def empty_row(self, key: tuple[Any, ...]) -> dict[str, Any]:
+        """A row of this table with only its key set."""
+        row = self._empty.copy()
+        row.update(zip(self.key, key, strict=True))
+        return row
+
     def group(self, seq_col: str) -> Group:
-        for g in self.groups:
-            if g.seq_col == seq_col:
-                return g
-        raise KeyError(seq_col)
+        return self.groups_by_seq[seq_col]
 
 
 _T = sc.Base.metadata.tables

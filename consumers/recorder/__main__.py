@@ -13,14 +13,15 @@ import sys
 from jetrl.bus.client import Bus
 from jetrl.bus.log import get_logger
 from jetrl.bus.runtime import part_main
-from jetrl.consumers.recorder.recorder import Recorder
+from jetrl.consumers.recorder.recorder import Recorder, configure_gc
 from jetrl.consumers.recorder.settings import RecorderPart
 from jetrl.store.db import open_store
 
 
 async def record(bus: Bus, run_id: str, s: RecorderPart, stop: asyncio.Event) -> int:
     store = open_store(s.db)
-    rec = Recorder(bus, store, run_id, durable=s.durable, batch=s.batch)
+    rec = Recorder(bus, store, run_id, durable=s.durable, batch=s.batch, writer=s.writer)
+    configure_gc()
     stopper = asyncio.create_task(stop.wait())
     stopper.add_done_callback(lambda _: rec.stop())
     try:

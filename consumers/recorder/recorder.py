@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import nats.js.errors
 from nats.js import api
@@ -30,10 +30,28 @@ from jetrl.bus.client import Batch, Bus, ConsumerSpec, PullConsumer, spoofed
 from jetrl.bus.log import get_logger
 from jetrl.bus.streams import stream_name
 from jetrl.consumers.recorder.settings import DEFAULT_DURABLE
+from jetrl.consumers.recorder.writer import Target, WriterKind, make_writer
 from jetrl.store.db import Store
-from jetrl.store.projection import ApplyResult, LogItem, apply_batch, read_offset
+from jetrl.store.projection import Logged, LogItem
 
 log = get_logger(__name__)
+
+
+def configure_gc(young: int = 50_000) -> None:
+    """Set this process's garbage collector up for recording (the recorder's process calls it
+    once it is set up; bench/store.py too, for every side it compares).
+
+    A batch is ~30 tracked objects per event (decoded bodies, rows, payload references) that
+    live until it is committed: CPython's default (a young collection every 700 allocations)
+    promoted them into the old generation, and every few batches a full collection walked the
+    whole heap, modules and connection pool included, to find nothing (0.4-1.2 s of a 30,000
+    event catch-up, measured). Now what exists is frozen out of collections, and a collection
+    starts only after ``young`` net allocations: a batch's objects die by reference counting
+    first. Cyclic garbage is still collected, after at most ``young`` objects of it."""
+    gc.collect()
+    gc.freeze()
+    _, mid, old = gc.get_threshold()
+    gc.set_threshold(young, mid, old)
 
 
 @dataclass(frozen=True)
@@ -77,7 +95,7 @@ class Recorder:
         fetch_timeout: float = 0.5,
         ack_wait: float = 60.0,
         log_every_s: float = 5.0,
-        db_thread: bool | None = None,
+        writer: WriterKind | None = None,
     ) -> None:
         self.bus = bus
         self.store = store
@@ -92,11 +110,12 @@ class Recorder:
         self.log = log.bind(run_id=run_id, consumer=durable)
         self._stop = asyncio.Event()
         self._last_seq = 0
-        # PostgreSQL works in its own process: committing on a thread lets the event loop parse
-        # the prefetched batch meanwhile. SQLite's work is mostly Python holding the GIL, where
-        # a thread only adds contention (measured: ~10% slower), so it runs inline by default.
-        self.db_thread = store.backend != "sqlite" if db_thread is None else db_thread
-        self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"recorder-{run_id}")
+        # Where transactions run (writer.py). In this process by default (tests, rebuilds):
+        # PostgreSQL on a thread, as its statements wait on the server, SQLite inline. The
+        # recorder's own process runs them in a child process.
+        self.writer_kind: WriterKind = writer or ("inline" if store.backend == "sqlite" else "thread")
+        self.writer = make_writer(self.writer_kind, store, Target(run_id, self.stream, durable))
+        self._writer_started = False
 
     # ------------------------------------------------------------------ control
 
@@ -109,13 +128,15 @@ class Recorder:
         """Stop after the batch being applied is committed and acked (signal-handler safe)."""
         self._stop.set()
 
-    async def _in_db(self, fn: Any, *args: Any) -> Any:
-        if not self.db_thread:
-            return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(self._db, fn, *args)
+    async def start(self) -> None:
+        """Get the writer ready (a writer process started and its store open); run() and
+        replay() do it on their own, a caller may do it ahead to keep it out of a measurement."""
+        if not self._writer_started:
+            await self.writer.start()
+            self._writer_started = True
 
     def close(self) -> None:
-        self._db.shutdown(wait=True)
+        self.writer.close()
 
     # ------------------------------------------------------------------ lag
 
@@ -169,23 +190,12 @@ class Recorder:
         )
         return consumer
 
-    def _read_offset(self) -> int:
-        with self.store.read() as conn:
-            return read_offset(conn, self.stream, self.durable)
+    async def _read_offset(self) -> int:
+        await self.start()
+        return await self.writer.read_offset()
 
-    def _apply(self, items: list[LogItem], through_seq: int) -> ApplyResult:
-        with self.store.write() as conn:
-            return apply_batch(
-                conn,
-                run_id=self.run_id,
-                stream=self.stream,
-                consumer=self.durable,
-                items=items,
-                through_seq=through_seq,
-            )
-
-    async def _commit(self, items: list[LogItem], through_seq: int, oldest_ts: float | None) -> None:
-        res: ApplyResult = await self._in_db(self._apply, items, through_seq)
+    async def _commit(self, items: Sequence[Logged], through_seq: int, oldest_ts: float | None) -> None:
+        res = await self.writer.apply(items, through_seq, self._last_seq)
         self._last_seq = max(self._last_seq, res.last_seq)
         s = self.stats
         s.batches += 1
@@ -203,7 +213,7 @@ class Recorder:
         await self._wait_for_stream()
         if self._stop.is_set():
             return
-        self._last_seq = await self._in_db(self._read_offset)
+        self._last_seq = await self._read_offset()
         if until_seq is not None and self._last_seq >= until_seq:
             return
         consumer = await self._open_consumer(self._last_seq + 1)
@@ -213,7 +223,7 @@ class Recorder:
         last_log = time.monotonic()
 
         async def record(got: Batch[ev.EventBody]) -> None:
-            items = [LogItem(d.seq, d.subject, d.event) for d in got.deliveries]
+            items = got.deliveries  # a delivery has what the projection reads: seq, subject, event
             # Dead-lettered sequences carry nothing to record, but the tracking row moves past them.
             through = max([*(i.seq for i in items), *got.dead_lettered])
             oldest = got.deliveries[0].msg.metadata.timestamp.timestamp() if got.deliveries else None
@@ -285,7 +295,7 @@ class Recorder:
         events are in the log). Returns the recorded sequence."""
         head = await self.bus.last_seq(self.run_id)
         until = head if until_seq is None else min(until_seq, head)
-        self._last_seq = await self._in_db(self._read_offset)
+        self._last_seq = await self._read_offset()
         if self._last_seq >= until:
             return self._last_seq
         buf: list[LogItem] = []

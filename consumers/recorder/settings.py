@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from jetrl.bus.settings import Section
@@ -13,3 +15,6 @@ class RecorderPart(Section):
     db: str  # store URL: sqlite:///path or postgresql+psycopg://...
     durable: str = DEFAULT_DURABLE  # its durable consumer on the run's log
     batch: int = Field(1000, ge=1)  # events fetched and committed together
+    # where its transactions run (consumers/recorder/writer.py): a child process of its own, so
+    # that fetching and writing use two cores; "thread" or "inline" keep them in its process
+    writer: Literal["process", "thread", "inline"] = "process"
