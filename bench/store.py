@@ -93,6 +93,7 @@ class Result:
     commit_lags: list[float] = field(default_factory=list)
     lag_events_max: int = 0
     published_rate: float = 0.0
+    lag_batches: int = 0
 
     @property
     def consume_eps(self) -> float:
@@ -255,7 +256,7 @@ def _publisher(
 
 async def lag_under_load(
     nats_url: str, db_url: str, rate: float, seconds: float, batch: int, writer: WriterKind
-) -> tuple[list[float], list[float], int, float]:
+) -> tuple[list[float], list[float], int, float, int]:
     run_id = f"lag{uuid.uuid4().hex[:8]}"
     bus = await Bus.connect(nats_url, name="bench")
     await bus.ensure_run(run_id, LIMITS)
@@ -287,7 +288,13 @@ async def lag_under_load(
     published, took = out.get()
     proc.join()
     head = await bus.last_seq(run_id)
+    deadline = time.monotonic() + 120.0
     while rec.recorded_seq < head:
+        if task.done():
+            await task  # raises what stopped the recorder
+            raise SystemExit(f"the recorder stopped at {rec.recorded_seq} of {head}")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the recorder is stuck at {rec.recorded_seq} of {head} after 120 s")
         await asyncio.sleep(0.05)
     rec.stop()
     await task
@@ -295,7 +302,7 @@ async def lag_under_load(
     store.close()
     await bus.js.delete_stream(stream_name(run_id))
     await bus.close()
-    return samples, rec.stats.commit_lag_s, max_events, published / took
+    return samples, rec.stats.commit_lag_s, max_events, published / took, rec.stats.batches
 
 
 async def bench_backend(backend: str, nats_url: str, tmp: Path, args: argparse.Namespace) -> Result:
@@ -330,6 +337,7 @@ async def bench_backend(backend: str, nats_url: str, tmp: Path, args: argparse.N
             result.commit_lags,
             result.lag_events_max,
             result.published_rate,
+            result.lag_batches,
         ) = await lag_under_load(nats_url, lag_db, args.rate, args.lag_seconds, args.batch, args.writer)
     return result
 
@@ -361,7 +369,7 @@ def report(r: Result) -> None:
         f"lag       publishing {r.published_rate:,.0f} events/s: lag() p50 {pct(r.lag_samples, 0.5):.3f} s,"
         f" p99 {pct(r.lag_samples, 0.99):.3f} s, max {max(r.lag_samples, default=0):.3f} s"
         f" ({len(r.lag_samples)} samples, max {r.lag_events_max} events behind);"
-        f" commit latency p99 {pct(r.commit_lags, 0.99):.3f} s"
+        f" commit latency p99 {pct(r.commit_lags, 0.99):.3f} s; {r.lag_batches} batches"
     )
 
 
@@ -394,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--events", type=int, default=60_000, help="events of the pre-filled log")
     p.add_argument(
-        "--batch", type=int, default=1000, help="recorder batch (and bulk-insert rows per transaction)"
+        "--batch", type=int, default=2000, help="recorder batch (and bulk-insert rows per transaction)"
     )
     p.add_argument("--rounds", type=int, default=3, help="consume and recorder passes over the log")
     p.add_argument("--rate", type=float, default=5000.0, help="events/s published during the lag phase")
@@ -408,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
         help="where the recorder's transactions run (process: as the recorder's own process runs)",
     )
     args = p.parse_args(argv)
+    if args.batch < 1 or args.events < 1 or args.rounds < 1 or args.rate <= 0 or args.lag_seconds <= 0:
+        p.error("--batch, --events, --rounds, --rate and --lag-seconds must be positive")
     configure("warning")
     return asyncio.run(amain(args))
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import operator
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -168,9 +169,9 @@ class TableWriter:
     * SQLite: the compiled ``INSERT ... VALUES (?, ...) ON CONFLICT ...`` through the driver's
       ``executemany`` (its loop over the rows is C).
     * PostgreSQL: a binary ``COPY`` into a temporary staging table of the same columns
-      (``pg_temp.jetrl_stage_<table>``, created on first use in a session, emptied at commit),
-      then one ``INSERT ... SELECT ... ON CONFLICT ...`` from it, then the staging rows are
-      deleted (so a second batch in the same transaction starts empty). The server runs one
+      (``pg_temp.jetrl_stage_<table>``, ``CREATE ... IF NOT EXISTS`` in each batch, emptied at
+      commit), then one ``INSERT ... SELECT ... ON CONFLICT ...`` from it, then the staging rows
+      are deleted (so a second batch in the same transaction starts empty). The server runs one
       statement per table and batch instead of one per row, and the client's per-row work is
       psycopg's C row encoder.
     """
@@ -263,15 +264,17 @@ def write_tables(conn: sa.Connection, writes: Sequence[tuple[TableWriter, Sequen
         cur.close()
 
 
-_WRITERS: dict[tuple[int, str], TableWriter] = {}
+# Per dialect object (one per engine: its settings are part of the compiled SQL), per table.
+_WRITERS: weakref.WeakKeyDictionary[sa.Dialect, dict[str, TableWriter]] = weakref.WeakKeyDictionary()
 
 
 def _writer(conn: sa.Connection, spec: Spec) -> TableWriter:
-    # Keyed by the dialect object (one per engine): its settings are part of the compiled SQL.
-    key = (id(conn.dialect), spec.table.name)
-    w = _WRITERS.get(key)
-    if w is None or w.dialect_name != conn.dialect.name:
-        w = _WRITERS[key] = TableWriter(spec, conn.dialect)
+    writers = _WRITERS.get(conn.dialect)
+    if writers is None:
+        writers = _WRITERS[conn.dialect] = {}
+    w = writers.get(spec.table.name)
+    if w is None:
+        w = writers[spec.table.name] = TableWriter(spec, conn.dialect)
     return w
 
 

@@ -44,7 +44,7 @@ def configure_gc(young: int = 50_000) -> None:
     A batch is ~30 tracked objects per event (decoded bodies, rows, payload references) that
     live until it is committed: CPython's default (a young collection every 700 allocations)
     promoted them into the old generation, and every few batches a full collection walked the
-    whole heap, modules and connection pool included, to find nothing (0.4-1.2 s of a 30,000
+    whole heap, modules and connection pool included, to find nothing (0.5-1.4 s of a 30,000
     event catch-up, measured). Now what exists is frozen out of collections, and a collection
     starts only after ``young`` net allocations: a batch's objects die by reference counting
     first. Cyclic garbage is still collected, after at most ``young`` objects of it."""
@@ -91,7 +91,7 @@ class Recorder:
         run_id: str,
         *,
         durable: str = DEFAULT_DURABLE,
-        batch: int = 1000,
+        batch: int = 2000,
         fetch_timeout: float = 0.5,
         ack_wait: float = 60.0,
         log_every_s: float = 5.0,

@@ -14,7 +14,7 @@ DEFAULT_DURABLE = "recorder"
 class RecorderPart(Section):
     db: str  # store URL: sqlite:///path or postgresql+psycopg://...
     durable: str = DEFAULT_DURABLE  # its durable consumer on the run's log
-    batch: int = Field(1000, ge=1)  # events fetched and committed together
+    batch: int = Field(2000, ge=1)  # events fetched and committed together (at most)
     # where its transactions run (consumers/recorder/writer.py): a child process of its own, so
     # that fetching and writing use two cores; "thread" or "inline" keep them in its process
     writer: Literal["process", "thread", "inline"] = "process"
