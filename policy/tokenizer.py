@@ -44,6 +44,13 @@ class Tokenizer(Protocol):
         """The prompt text of a conversation, ending where the assistant's turn begins."""
         ...
 
+    def encode_reply(self, text: str, *, role: str = "user") -> list[int]:
+        """Ids that follow a finished model turn (one that ended on a stop id): another role's
+        message (``user``, ``tool``) and the opening of the model's next turn, as the chat
+        template writes them. Token in, token out: a multi-turn episode's next prompt is the
+        previous prompt + the completion + these ids, never a re-tokenisation of the history."""
+        ...
+
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<pad>", "<bos>", "<eos>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)
@@ -96,6 +103,10 @@ class CharTokenizer:
                 continue
             out.append(self.alphabet[i - len(SPECIAL_TOKENS)])
         return "".join(out)
+
+    def encode_reply(self, text: str, *, role: str = "user") -> list[int]:
+        # No chat template: the reply's characters follow the model's turn as they are.
+        return self.encode(text, bos=False)
 
     def render_chat(self, messages: Sequence[ChatMessage]) -> str:
         # No chat template: the model sees every message's text, in order, joined by a space.

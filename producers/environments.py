@@ -36,11 +36,13 @@ class Score:
 
 @dataclass(frozen=True)
 class FollowUp:
-    """The environment's turn: ``text`` is appended after the model's turn, and ``info`` is
-    merged into the episode's info for the next turn."""
+    """The environment's turn: ``text``, as a ``role`` message of the chat template
+    (``Tokenizer.encode_reply``), follows the model's turn, and ``info`` is merged into the
+    episode's info for the next turn."""
 
     text: str
     info: dict[str, Any] = field(default_factory=dict)
+    role: str = "user"  # whose message the chat template renders it as ("user", "tool")
 
 
 class Environment:
@@ -61,6 +63,11 @@ class Environment:
 
     def score(self, info: dict[str, Any], completion_tokens: list[int]) -> Score:
         raise NotImplementedError
+
+    def eval_tasks(self, n: int) -> list[Task]:
+        """The first ``n`` tasks of the environment's held-out evaluation split, the same on
+        every call (no overlap with what :meth:`make_task` draws); empty when it has none."""
+        return []
 
     def react(self, info: dict[str, Any], turn: int, completion_tokens: list[int]) -> Score | FollowUp:
         """One model turn done: the episode's score, or the environment's reply. Single-turn

@@ -220,7 +220,7 @@ class EnvProducer:
                 max_tokens=int(task.info.get("max_tokens", 0)),
             )
         logprobs = (await self.payloads.get_array(g.logprobs)).astype(np.float64).tolist()
-        follow = self.env.tok.encode(reply.text, bos=False)
+        follow = self.env.tok.encode_reply(reply.text, role=reply.role)
         episode = msgspec.structs.replace(
             episode,
             completion=[*episode.completion, *completion, *follow],
