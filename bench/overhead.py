@@ -37,7 +37,7 @@ from jetrl.deploy.config import RunConfig, load_config
 from jetrl.deploy.supervisor import Supervisor
 from jetrl.policy.loss import group_advantages
 from jetrl.policy.sampling import SamplingConfig, generate, inference_copy
-from jetrl.policy.tokenizer import make_tokenizer
+from jetrl.policy.tokenizer import tokenizer_for
 from jetrl.policy.train import Rollout
 from jetrl.policy.weights import load_into
 from jetrl.producers.environments import make_environment
@@ -56,7 +56,7 @@ def one_process(cfg: RunConfig, root: Path, threads: int) -> tuple[float | None,
     sampler = inference_copy(model, cfg.inference.precision)
     (producer,) = cfg.producer_parts()
     env_cfg = producer.env
-    tok = make_tokenizer(cfg.model.tokenizer)
+    tok = tokenizer_for(cfg.model)
     env = make_environment(env_cfg.env_kind, tok, **env_cfg.params)
     rng = random.Random(producer.seed * 7919)
     generator = torch.Generator().manual_seed(cfg.run.seed)

@@ -4,7 +4,8 @@ Each section is the settings class of the room that uses it (``[trainer]`` is
 consumers/trainer/settings.py's, ``[[envs]]`` producers/settings.py's, ...); this module only
 composes them. The resolved config is recorded in the run's RunStarted event and in
 ``<run dir>/config.json``. Each process is handed only its part (trainer, inference, producer),
-composed here. Nothing here imports torch: any config is read and validated without it.
+composed here. Nothing here imports torch: any config is read and validated without it (a
+run's Hugging Face checkpoint is checked with torch, by ``config_for_run``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from jetrl.bus.settings import BusSettings, Section
 from jetrl.consumers.inference.settings import InferencePart, InferenceSettings
 from jetrl.consumers.trainer.settings import TrainerPart, TrainerSettings
 from jetrl.policy.settings import ModelSettings
+from jetrl.policy.tokenizer import tokenizer_for
 from jetrl.producers.environments import make_environment
 from jetrl.producers.settings import EnvSettings, ProducerPart
 from jetrl.store.settings import StoreSettings
@@ -147,8 +149,17 @@ def config_for_run(data: dict[str, Any], overrides: list[str] | None = None) -> 
         apply_overrides(data, overrides)
     try:
         cfg = RunConfig.model_validate(data)
+        tok = tokenizer_for(cfg.model)
+        if cfg.model.hf_path:  # a checkpoint is checked here, before any process starts (torch)
+            from jetrl.policy.origin import check_model
+
+            vocab = check_model(cfg.model).vocab_size
+            if tok.vocab_size > vocab:
+                raise ValueError(
+                    f"the tokenizer's {tok.vocab_size} ids do not fit the model's vocabulary of {vocab}"
+                )
         for e in cfg.envs:
-            make_environment(e.env_kind, **e.params).prepare()
+            make_environment(e.env_kind, tok, **e.params).prepare()
     except Exception as exc:
         raise ConfigError(f"invalid run config: {exc}") from None
     return cfg

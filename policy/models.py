@@ -80,6 +80,7 @@ class ModelConfig:
     score_func: Literal["softmax", "sigmoid"] = "softmax"
     route_norm: bool = True
     init_std: float = 0.02
+    norm_eps: float = 1e-6  # RMSNorm epsilon (HF: rms_norm_eps)
 
     def __post_init__(self) -> None:
         if self.num_experts and not 0 < self.top_k <= self.num_experts:
@@ -270,8 +271,8 @@ def _linear_init(std: float) -> dict[str, Callable[[torch.Tensor], torch.Tensor]
     return {"weight": _normal(std), "bias": nn.init.zeros_}
 
 
-def _norm(dim: int) -> RMSNorm.Config:
-    return RMSNorm.Config(normalized_shape=dim, eps=1e-6, param_init={"weight": nn.init.ones_})
+def _norm(dim: int, eps: float) -> RMSNorm.Config:
+    return RMSNorm.Config(normalized_shape=dim, eps=eps, param_init={"weight": nn.init.ones_})
 
 
 def to_titan_config(cfg: ModelConfig) -> Qwen3Model.Config:
@@ -293,7 +294,7 @@ def to_titan_config(cfg: ModelConfig) -> Qwen3Model.Config:
             inner_attention=inner,
             fuse_qkv=True,
             rope=rope,
-            qk_norm=_norm(cfg.head_dim),
+            qk_norm=_norm(cfg.head_dim, cfg.norm_eps),
         )
         moe = ffn = None
         if cfg.is_moe:
@@ -340,8 +341,8 @@ def to_titan_config(cfg: ModelConfig) -> Qwen3Model.Config:
             )
         layers.append(
             Qwen3TransformerBlock.Config(
-                attention_norm=_norm(cfg.dim),
-                ffn_norm=_norm(cfg.dim),
+                attention_norm=_norm(cfg.dim, cfg.norm_eps),
+                ffn_norm=_norm(cfg.dim, cfg.norm_eps),
                 attention=attention,
                 moe=moe,
                 feed_forward=ffn,
@@ -350,7 +351,7 @@ def to_titan_config(cfg: ModelConfig) -> Qwen3Model.Config:
     return Qwen3Model.Config(
         vocab_size=cfg.vocab_size,
         dim=cfg.dim,
-        norm=_norm(cfg.dim),
+        norm=_norm(cfg.dim, cfg.norm_eps),
         enable_weight_tying=cfg.tie_embeddings,
         tok_embeddings=Embedding.Config(
             num_embeddings=cfg.vocab_size,

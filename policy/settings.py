@@ -14,5 +14,15 @@ class ModelSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = "tiny-moe"
+    # A local Hugging Face checkpoint directory (config.json, safetensors, tokenizer files): the
+    # architecture and the initial weights come from it (policy/hf.py) and ``name`` is only a
+    # label. Never a hub id: nothing is downloaded.
+    hf_path: str | None = None
     overrides: dict[str, Any] = Field(default_factory=dict)
-    tokenizer: str = "char"  # a name of jetrl.policy.tokenizer.TOKENIZERS
+    # "char" or "hf" (the checkpoint's own, with its chat template); default: "hf" with
+    # hf_path, else "char".
+    tokenizer: str | None = None
+
+    @property
+    def tokenizer_kind(self) -> str:
+        return self.tokenizer or ("hf" if self.hf_path else "char")

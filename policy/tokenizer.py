@@ -11,8 +11,11 @@ yields 58 ids, inside the tiny models' vocabulary of 64. Torch-free.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Protocol
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from jetrl.policy.settings import ModelSettings
 
 ChatMessage = Mapping[str, str]  # {"role": ..., "content": text}
 
@@ -113,11 +116,23 @@ class CharTokenizer:
         return " ".join(m["content"] for m in messages if m.get("content"))
 
 
-TOKENIZERS: dict[str, Callable[[], Tokenizer]] = {"char": CharTokenizer}
+TOKENIZERS = ("char", "hf")
 
 
-def make_tokenizer(name: str = "char") -> Tokenizer:
-    try:
-        return TOKENIZERS[name]()
-    except KeyError:
-        raise ValueError(f"unknown tokenizer {name!r}; known: {sorted(TOKENIZERS)}") from None
+def make_tokenizer(name: str = "char", path: str | None = None) -> Tokenizer:
+    """``char``, or ``hf``: the tokenizer files of checkpoint directory ``path``
+    (policy/hf_tokenizer.py; transformers is imported only then)."""
+    if name == "char":
+        return CharTokenizer()
+    if name == "hf":
+        if not path:
+            raise ValueError("the 'hf' tokenizer needs [model] hf_path (a checkpoint directory)")
+        from jetrl.policy.hf_tokenizer import HFTokenizer
+
+        return HFTokenizer(path)
+    raise ValueError(f"unknown tokenizer {name!r}; known: {list(TOKENIZERS)}")
+
+
+def tokenizer_for(model: ModelSettings) -> Tokenizer:
+    """The tokenizer of a run's ``[model]``."""
+    return make_tokenizer(model.tokenizer_kind, model.hf_path)

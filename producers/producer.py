@@ -30,7 +30,7 @@ from jetrl.bus import ids, subjects
 from jetrl.bus.client import Bus, ConsumerSpec, Delivery, Reject
 from jetrl.bus.log import get_logger
 from jetrl.bus.payloads import ObjectStorePayloads, Payloads, log_array
-from jetrl.policy.tokenizer import make_tokenizer
+from jetrl.policy.tokenizer import tokenizer_for
 from jetrl.producers.environments import Environment, FollowUp, Score, make_environment
 from jetrl.producers.settings import ProducerPart
 
@@ -42,7 +42,7 @@ class EnvProducer:
         self.part = part
         self.s = settings = part.env
         self.env: Environment = make_environment(
-            settings.env_kind, make_tokenizer(part.model.tokenizer), **settings.params
+            settings.env_kind, tokenizer_for(part.model), **settings.params
         )
         self.prefix = ids.task_prefix(settings.name, settings.tenant)
         self.tasks: dict[str, ev.TaskSubmitted] = {}  # what a generation answers (for scoring)

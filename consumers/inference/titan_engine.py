@@ -16,7 +16,8 @@ from jetrl.bus import events as ev
 from jetrl.bus.payloads import Payloads
 from jetrl.consumers.inference.engine import GroupRequest, Sample
 from jetrl.consumers.inference.settings import InferencePart
-from jetrl.policy.models import build_model, get_config
+from jetrl.policy.models import build_model
+from jetrl.policy.origin import model_config_of
 from jetrl.policy.sampling import SamplingConfig, generate, inference_copy
 from jetrl.policy.weights import load_into, weights_from_bytes
 
@@ -25,7 +26,7 @@ class TitanEngine:
     def __init__(self, part: InferencePart, worker_id: str) -> None:
         s = self.s = part.inference
         torch.set_num_threads(s.threads)
-        mcfg = get_config(part.model.name, **part.model.overrides)
+        mcfg = model_config_of(part.model)
         # Weights come from WeightsReady events; the seed here only shapes the module.
         self.model = inference_copy(build_model(mcfg, seed=0), s.precision)
         # Each worker samples its own stream, reproducible from the run seed and its id.

@@ -28,7 +28,7 @@ from jetrl.bus.log import get_logger
 from jetrl.bus.payloads import Payloads
 from jetrl.consumers.inference.engine import GenerationEngine, GroupRequest, Sample, make_generation_engine
 from jetrl.consumers.inference.settings import InferencePart
-from jetrl.policy.tokenizer import make_tokenizer
+from jetrl.policy.tokenizer import tokenizer_for
 
 
 class InferenceWorker:
@@ -38,7 +38,7 @@ class InferenceWorker:
         self.worker_id = worker_id
         self.part = part
         self.s = part.inference
-        self.stop_ids = make_tokenizer(part.model.tokenizer).stop_ids
+        self.stop_ids = tokenizer_for(part.model).stop_ids
         self.engine: GenerationEngine = make_generation_engine(part, worker_id)
         self.latest: ev.WeightsReady | None = None
         self.new_weights = asyncio.Event()

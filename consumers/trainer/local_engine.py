@@ -11,7 +11,7 @@ import torch
 
 from jetrl.consumers.trainer.settings import TrainerPart
 from jetrl.policy.loss import LossConfig
-from jetrl.policy.models import build_model, get_config
+from jetrl.policy.origin import initial_model, model_config_of
 from jetrl.policy.train import (
     Rollout,
     collate,
@@ -28,8 +28,8 @@ class LocalTrainEngine:
         s = self.s = part.trainer
         self.temperature = part.temperature
         set_deterministic(part.seed, num_threads=s.threads)
-        self.mcfg = get_config(part.model.name, **part.model.overrides)
-        self.model = build_model(self.mcfg, seed=part.seed)
+        self.mcfg = model_config_of(part.model)
+        self.model = initial_model(part.model, seed=part.seed)
         self.optimizer = make_optimizer(self.model, lr=s.lr, weight_decay=s.weight_decay)
         self.loss_cfg = LossConfig(kl_coef=s.kl_coef, entropy_coef=s.entropy_coef)
         self.replay = s.replay and self.mcfg.is_moe
