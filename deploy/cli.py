@@ -17,6 +17,8 @@ _COMMAND_MODULES = [
     "jetrl.deploy.store_cmd",
     "jetrl.deploy.bus_demo_cmd",
     "jetrl.deploy.gateway_cmd",
+    "jetrl.deploy.export_cmd",
+    "jetrl.deploy.tiny_hf_cmd",
 ]
 
 

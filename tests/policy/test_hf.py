@@ -13,12 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from jetrl.deploy.tiny_hf_cmd import make_checkpoint
 from jetrl.policy.hf import CheckpointError, check_checkpoint, load_state, read_config, save_checkpoint
 from jetrl.policy.origin import initial_model
 from jetrl.policy.routing import capture_routing, replay_routing
 from jetrl.policy.settings import ModelSettings
 from jetrl.policy.weights import checksum, state_dict_of
-from tests.support.hf_assets import make_checkpoint
 
 transformers = pytest.importorskip("transformers")
 

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from jetrl.deploy.tiny_hf_cmd import make_tokenizer_dir
 from jetrl.policy.hf_tokenizer import HFTokenizer, TokenizerError
 from jetrl.policy.settings import ModelSettings
 from jetrl.policy.tokenizer import tokenizer_for
-from tests.support.hf_assets import make_tokenizer_dir
 
 transformers = pytest.importorskip("transformers")
 

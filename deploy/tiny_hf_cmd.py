@@ -1,12 +1,17 @@
-"""Tiny Hugging Face checkpoints made on the spot: a byte-level BPE tokenizer trained with
-``tokenizers`` on a small corpus, wrapped with a Qwen-style Jinja chat template, and random
-Qwen3 / Qwen3-MoE models saved by transformers. No download: everything is built locally."""
+"""`jetrl make-hf-tiny DIR [--kind moe|dense]`: a tiny Hugging Face checkpoint made on the spot.
+
+A byte-level BPE tokenizer trained with ``tokenizers`` on a small generated corpus (arithmetic
+word problems, the calculator tool's syntax), wrapped with a Qwen-style Jinja chat template, and a
+random Qwen3 / Qwen3-MoE model saved by transformers: a directory laid out as a real checkpoint,
+for trying the Hugging Face path (configs/hf-tiny.toml) and for the tests. Nothing is downloaded.
+"""
 
 from __future__ import annotations
 
+import argparse
 import random
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -46,7 +51,7 @@ def make_tokenizer_dir(path: Path, vocab_size: int = 320) -> Path:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(_corpus(), trainer)
-    fast = PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
     )
     path.mkdir(parents=True, exist_ok=True)
@@ -71,7 +76,7 @@ def make_checkpoint(
     path.mkdir(parents=True, exist_ok=True)
     tok_dir = make_tokenizer_dir(path) if tokenizer else None
     vocab = 320
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=vocab,
         hidden_size=64,
         num_hidden_layers=layers,
@@ -85,6 +90,7 @@ def make_checkpoint(
         pad_token_id=0,
         initializer_range=0.1,  # larger than HF's default so logits and routing are not flat
     )
+    cfg: Qwen3Config | Qwen3MoeConfig
     if kind == "dense":
         cfg = Qwen3Config(intermediate_size=128, **common)
     else:
@@ -100,8 +106,23 @@ def make_checkpoint(
         )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)  # type: ignore[no-untyped-call]
     kw = {} if shard_bytes is None else {"max_shard_size": shard_bytes}
     model.save_pretrained(str(path), **kw)
     assert tok_dir is None or tok_dir == path
     return path
+
+
+def main(args: argparse.Namespace) -> int:
+    out = make_checkpoint(Path(args.dir), args.kind, seed=args.seed, layers=args.layers)
+    print(f"wrote a tiny {args.kind} checkpoint to {out}")
+    return 0
+
+
+def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("make-hf-tiny", help="write a tiny random Qwen3(-MoE) checkpoint with a BPE tokenizer")
+    p.add_argument("dir")
+    p.add_argument("--kind", choices=["moe", "dense"], default="moe")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, default=2)
+    p.set_defaults(func=main)

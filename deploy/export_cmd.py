@@ -1,0 +1,90 @@
+"""`jetrl export-model RUN --version V DIR [--dtype bf16]`: a policy version as a Hugging Face
+checkpoint directory that transformers and vLLM load as it is.
+
+Reads the run's config (RunStarted) and the version's WeightsReady event from the log, fetches
+the weights (their bytes' SHA-256 and the tensors' checksum verified), and writes them in HF layout
+(policy/hf.py) with the config.json and tokenizer files of the checkpoint the run started from
+(``[model] hf_path``), or a config.json made from the model's config for a run from scratch.
+Without ``--nats-url`` the run's own log files are served by a private nats-server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+
+from jetrl.bus.client import Bus
+from jetrl.bus.log import configure
+from jetrl.bus.payloads import Payloads
+from jetrl.bus.server import EmbeddedServer
+from jetrl.consumers.trainer.replay import read_run_log
+from jetrl.deploy.config import RunConfig
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+async def export(
+    url: str, run_id: str, run_dir: Path, version: int | None, out: Path, dtype: str | None
+) -> int:
+    import torch
+
+    from jetrl.policy.hf import save_checkpoint
+    from jetrl.policy.origin import model_config_of
+    from jetrl.policy.weights import weights_from_bytes
+
+    bus = await Bus.connect(url, name="export-model")
+    try:
+        log = await read_run_log(bus, run_id)
+        if log.config is None:
+            print(f"export-model: run {run_id} has no RunStarted event in its log")
+            return 2
+        if not log.weights:
+            print(f"export-model: run {run_id} has published no weights")
+            return 2
+        v = max(log.weights) if version is None else version
+        ready = log.weights.get(v)
+        if ready is None:
+            have = f"{min(log.weights)}..{max(log.weights)}"
+            print(f"export-model: run {run_id} has no weights of version {v}; it has {have}")
+            return 2
+        model = RunConfig.model_validate(log.config).model
+        payloads = await Payloads.for_run(bus.js, run_id, weights_dir=run_dir / "payloads")
+        data = await payloads.get_bytes(ready.location)
+        tensors, digest = weights_from_bytes(data, expected_checksum=ready.weights_checksum)
+        save_checkpoint(
+            out,
+            tensors,
+            model_config_of(model),
+            source=model.hf_path,
+            dtype=None if dtype is None else getattr(torch, dtype),
+            metadata={"jetrl.run": run_id, "jetrl.version": str(v), "jetrl.checksum": digest},
+        )
+        print(f"exported version {v} of run {run_id} to {out} (weights checksum {digest[:16]})")
+        return 0
+    finally:
+        await bus.close()
+
+
+def main(args: argparse.Namespace) -> int:
+    configure(level="warning")
+    run_dir = Path(args.runs_dir) / args.run
+    go = (args.run, run_dir, args.version, Path(args.dir), args.dtype)
+    if args.nats_url:
+        return asyncio.run(export(args.nats_url, *go))
+    if not (run_dir / "nats").is_dir():
+        print(f"export-model: {run_dir / 'nats'} not found; give --nats-url for a run on another server")
+        return 2
+    with EmbeddedServer(run_dir / "nats") as srv:
+        return asyncio.run(export(srv.url, *go))
+
+
+def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("export-model", help="write a policy version as a Hugging Face checkpoint directory")
+    p.add_argument("run")
+    p.add_argument("dir")
+    p.add_argument("--version", type=int, default=None, help="policy version (default: the latest)")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="saved precision (default: the trainer's)")
+    p.add_argument("--nats-url", default=None)
+    p.add_argument("--runs-dir", default="runs")
+    p.set_defaults(func=main)
