@@ -3,6 +3,7 @@
     jetrl gateway demo-20261130-045528 --port 8000
     curl -s localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "3+4="}]}'
 
+Prompts go through the run's own tokenizer and chat template (read from its RunStarted event).
 The run's NATS URL is read from ``<runs-dir>/<RUN>/nats_url`` (the supervisor writes it) unless
 ``--nats-url`` names it. The run's inference workers answer; Ctrl-C stops the gateway only.
 """
@@ -13,8 +14,12 @@ import argparse
 import asyncio
 from pathlib import Path
 
+from jetrl.bus import events as ev
+from jetrl.bus import subjects
 from jetrl.bus.client import Bus
 from jetrl.bus.runtime import run_process
+from jetrl.deploy.config import RunConfig
+from jetrl.policy.tokenizer import Tokenizer, tokenizer_for
 from jetrl.producers.gateway import ChatGateway, GatewaySettings
 
 
@@ -29,6 +34,15 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--max-tokens", type=int, default=16, help="default and most per request")
     p.add_argument("--timeout-s", type=float, default=120.0)
     p.set_defaults(func=main)
+
+
+async def run_tokenizer(bus: Bus, run_id: str) -> Tokenizer:
+    """The run's own tokenizer and chat template, from the config its RunStarted recorded."""
+    for item in await bus.read_log(run_id, filter_subject=subjects.run_subject(run_id)):
+        body = item.event.body if item.event else None
+        if isinstance(body, ev.RunStarted):
+            return tokenizer_for(RunConfig.model_validate(body.config).model)
+    raise SystemExit(f"jetrl gateway: run {run_id} has no RunStarted event in its log")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -49,7 +63,7 @@ def main(args: argparse.Namespace) -> int:
 
     async def go(stop: asyncio.Event) -> int:
         bus = await Bus.connect(url, name="gateway")
-        gateway = ChatGateway(bus, args.run, settings)
+        gateway = ChatGateway(bus, args.run, settings, await run_tokenizer(bus, args.run))
         try:
             await gateway.start()
             print(
