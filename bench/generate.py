@@ -54,7 +54,7 @@ def hf_side(
 ) -> tuple[int, float]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()  # type: ignore[no-untyped-call]
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     import transformers
 
-    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     with tempfile.TemporaryDirectory(prefix="jetrl-bench-generate-") as tmp:
         path = make_checkpoint(Path(tmp) / "ckpt", args.kind, seed=0, layers=args.layers)
         tok = HFTokenizer(path)

@@ -51,11 +51,12 @@ async def export(
         model = RunConfig.model_validate(log.config).model
         payloads = await Payloads.for_run(bus.js, run_id, weights_dir=run_dir / "payloads")
         data = await payloads.get_bytes(ready.location)
-        tensors, digest = weights_from_bytes(data, expected_checksum=ready.weights_checksum)
+        cfg = model_config_of(model)
+        tensors, digest = weights_from_bytes(data, expected_checksum=ready.weights_checksum, model_cfg=cfg)
         save_checkpoint(
             out,
             tensors,
-            model_config_of(model),
+            cfg,
             source=model.hf_path,
             dtype=None if dtype is None else getattr(torch, dtype),
             metadata={"jetrl.run": run_id, "jetrl.version": str(v), "jetrl.checksum": digest},

@@ -138,22 +138,39 @@ def load_weights(
     return tensors, _verify(tensors, meta.get(META_CHECKSUM), expected_checksum, str(path))
 
 
+META_LAYOUT = "jetrl.layout"  # "hf" when the bytes hold Hugging Face names and per-expert tensors
+
+
 def weights_to_bytes(
-    weights: nn.Module | Tensors, metadata: Mapping[str, str] | None = None
+    weights: nn.Module | Tensors, metadata: Mapping[str, str] | None = None, *, hf_config: Any = None
 ) -> tuple[bytes, str]:
-    """Serialise to safetensors bytes (for an object store); returns ``(data, checksum)``."""
+    """Serialise to safetensors bytes (for an object store); returns ``(data, checksum)``.
+    With ``hf_config`` (the model's :class:`~jetrl.policy.models.ModelConfig`) the bytes are in
+    Hugging Face layout, for engines that load that (vLLM); the checksum is still the canonical
+    tensors'."""
     sd = state_dict_of(weights)
     digest = checksum(sd)
-    return st_save(sd, metadata=_metadata(digest, metadata)), digest
+    meta = _metadata(digest, metadata)
+    if hf_config is not None:
+        sd = to_hf(sd, hf_config)
+        meta[META_LAYOUT] = "hf"
+    return st_save(sd, metadata=meta), digest
 
 
 def weights_from_bytes(
-    data: bytes, *, expected_checksum: str | None = None
+    data: bytes, *, expected_checksum: str | None = None, model_cfg: Any = None
 ) -> tuple[dict[str, torch.Tensor], str]:
+    """Canonical tensors of safetensors bytes, checksum verified. Bytes in Hugging Face layout
+    are converted first, which needs ``model_cfg``."""
     tensors = st_load(data)
-    return tensors, _verify(
-        tensors, read_metadata(data).get(META_CHECKSUM), expected_checksum, "weights bytes"
-    )
+    meta = read_metadata(data)
+    if meta.get(META_LAYOUT) == "hf":
+        if model_cfg is None:
+            raise ValueError(
+                "these weights are in Hugging Face layout: reading them needs the model's config"
+            )
+        tensors = from_hf(tensors, model_cfg)
+    return tensors, _verify(tensors, meta.get(META_CHECKSUM), expected_checksum, "weights bytes")
 
 
 def read_metadata(data: bytes) -> dict[str, str]:

@@ -26,7 +26,7 @@ class TitanEngine:
     def __init__(self, part: InferencePart, worker_id: str) -> None:
         s = self.s = part.inference
         torch.set_num_threads(s.threads)
-        mcfg = model_config_of(part.model)
+        mcfg = self.mcfg = model_config_of(part.model)
         # Weights come from WeightsReady events; the seed here only shapes the module.
         self.model = inference_copy(build_model(mcfg, seed=0), s.precision)
         # Each worker samples its own stream, reproducible from the run seed and its id.
@@ -69,7 +69,7 @@ class TitanEngine:
 
     async def load_weights(self, ready: ev.WeightsReady, payloads: Payloads) -> None:
         data = await payloads.get_bytes(ready.location)  # size and SHA-256 checked
-        tensors, _ = weights_from_bytes(data, expected_checksum=ready.weights_checksum)
+        tensors, _ = weights_from_bytes(data, expected_checksum=ready.weights_checksum, model_cfg=self.mcfg)
         load_into(self.model, tensors)
         self._version = ready.version
 

@@ -55,7 +55,8 @@ class LocalTrainEngine:
         return checksum(self.model)
 
     def export_weights(self, metadata: Mapping[str, str]) -> tuple[bytes, str]:
-        return weights_to_bytes(self.model, metadata)
+        hf = self.mcfg if self.s.weights_layout == "hf" else None
+        return weights_to_bytes(self.model, metadata, hf_config=hf)
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
         load_into(self.model, tensors)

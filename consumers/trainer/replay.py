@@ -20,6 +20,7 @@ from jetrl.bus.client import Bus
 from jetrl.bus.payloads import Payloads
 from jetrl.consumers.trainer.core import Checkpoint, TrainCore, checkpoint_path
 from jetrl.consumers.trainer.settings import TrainerSettings
+from jetrl.policy.origin import model_config_of
 from jetrl.policy.weights import weights_from_bytes
 
 
@@ -122,7 +123,8 @@ class Replayer:
         if ready is None:
             raise ReplayError("the log has no initial weights (WeightsReady version 0)")
         data = await self.payloads.get_bytes(ready.location)
-        tensors, _ = weights_from_bytes(data, expected_checksum=ready.weights_checksum)
+        cfg = model_config_of(self.core.part.model)
+        tensors, _ = weights_from_bytes(data, expected_checksum=ready.weights_checksum, model_cfg=cfg)
         self.core.engine.load_weights(tensors)
         self.version = 0
         return None

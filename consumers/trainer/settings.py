@@ -3,6 +3,8 @@ process is handed (that section, the model, and the run-wide values it needs). T
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from jetrl.bus.settings import Section
@@ -26,6 +28,9 @@ class TrainerSettings(Section):
     checkpoint_every: int = Field(10, ge=0)
     threads: int = Field(1, ge=1)
     ack_wait_s: float = Field(30.0, gt=0)  # how soon rollouts held by a dead trainer are redelivered
+    # The layout of the weights it publishes: jetrl's (torchtitan names, grouped experts) or
+    # Hugging Face's (per-expert tensors), for engines that load that. Checksums are the same.
+    weights_layout: Literal["jetrl", "hf"] = "jetrl"
 
 
 class TrainerPart(Section):

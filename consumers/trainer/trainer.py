@@ -38,6 +38,9 @@ from jetrl.consumers.trainer.replay import Replayer, ReplayError, read_rollouts,
 from jetrl.consumers.trainer.settings import TrainerPart
 from jetrl.consumers.trainer.withholding import ScoredDelivery, rollout_consumer_spec, withheld_event
 
+# WeightsReady.format of each [trainer] weights_layout (docs/events.md).
+WEIGHTS_FORMATS = {"jetrl": "safetensors", "hf": "safetensors-hf"}
+
 
 @dataclass
 class Group:
@@ -156,7 +159,12 @@ class Trainer:
         )
         ack = await self.bus.publish(
             ev.new_event(
-                ev.WeightsReady(version=v, location=ref, weights_checksum=digest),
+                ev.WeightsReady(
+                    version=v,
+                    location=ref,
+                    weights_checksum=digest,
+                    format=WEIGHTS_FORMATS[self.s.weights_layout],
+                ),
                 run_id=self.run_id,
                 event_id=ids.weights_event_id(self.run_id, v),
             )

@@ -209,3 +209,20 @@ def test_missing_tokenizer_and_config_are_refused(ckpts: dict[str, Path], tmp_pa
         check_checkpoint(path)
     with pytest.raises(CheckpointError, match="not a directory"):
         check_checkpoint(tmp_path / "nowhere")
+
+
+def test_weights_published_in_hf_layout_keep_the_canonical_checksum(ckpts: dict[str, Path]) -> None:
+    from safetensors.torch import load as st_load
+
+    from jetrl.policy.hf import expected_hf_shapes
+    from jetrl.policy.weights import weights_from_bytes, weights_to_bytes
+
+    cfg = read_config(ckpts["moe"])
+    model = initial_model(ModelSettings(hf_path=str(ckpts["moe"])))
+    data, digest = weights_to_bytes(model, {"version": "3"}, hf_config=cfg)
+    assert digest == checksum(model)
+    assert {k: tuple(v.shape) for k, v in st_load(data).items()} == expected_hf_shapes(cfg)
+    with pytest.raises(ValueError, match="Hugging Face layout"):
+        weights_from_bytes(data, expected_checksum=digest)
+    tensors, got = weights_from_bytes(data, expected_checksum=digest, model_cfg=cfg)
+    assert got == digest and set(tensors) == set(model.state_dict())

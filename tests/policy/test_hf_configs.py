@@ -55,7 +55,9 @@ QWEN3_30B_A3B = {
 
 
 @pytest.mark.parametrize(("published", "theirs"), [(QWEN3_0_6B, "0.6B"), (QWEN3_30B_A3B, "30B-A3B")])
-def test_published_config_reads_as_torchtitans(tmp_path: Path, published: dict[str, object], theirs: str) -> None:
+def test_published_config_reads_as_torchtitans(
+    tmp_path: Path, published: dict[str, object], theirs: str
+) -> None:
     (tmp_path / "config.json").write_text(json.dumps(published))
     mine = to_titan_config(read_config(tmp_path))
     ref = qwen3_configs[theirs]("flex")
