@@ -13,6 +13,7 @@ learn by RL alone on a CPU in minutes.
 
 from __future__ import annotations
 
+import importlib
 import random
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -184,14 +185,23 @@ ENVIRONMENTS: dict[str, type[Environment]] = {
 }
 
 
-def make_environment(name: str, tokenizer: Tokenizer | None = None, **params: Any) -> Environment:
-    if name == "verifiers":  # imported here: verifiers is an optional extra
-        from jetrl.producers.verifiers_env import VerifiersEnv
+# Environments in modules of their own ("module:class"), imported when asked for: they import
+# this module, and verifiers is an optional extra.
+LAZY_ENVIRONMENTS: dict[str, str] = {
+    "verifiers": "jetrl.producers.verifiers_env:VerifiersEnv",
+    "arithmetic": "jetrl.producers.arithmetic:ArithmeticEnv",
+    "calculator": "jetrl.producers.tool_env:CalculatorToolEnv",
+}
 
-        return VerifiersEnv(tokenizer, **params)
+
+def make_environment(name: str, tokenizer: Tokenizer | None = None, **params: Any) -> Environment:
+    if name in LAZY_ENVIRONMENTS:
+        module, _, attr = LAZY_ENVIRONMENTS[name].partition(":")
+        cls: type[Environment] = getattr(importlib.import_module(module), attr)
+        return cls(tokenizer, **params)
     try:
         cls = ENVIRONMENTS[name]
     except KeyError:
-        known = [*sorted(ENVIRONMENTS), "verifiers"]
+        known = sorted([*ENVIRONMENTS, *LAZY_ENVIRONMENTS])
         raise KeyError(f"unknown environment {name!r}; known: {known}") from None
     return cls(tokenizer, **params)

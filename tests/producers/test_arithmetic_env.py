@@ -1,0 +1,255 @@
+"""Arithmetic word problems: prompts through the chat template, the answer rule, exact rewards,
+and a held-out split that training never draws from."""
+
+from __future__ import annotations
+
+import functools
+import random
+from collections.abc import Iterable, Sequence
+from decimal import Decimal
+from typing import Any
+
+import pytest
+
+from jetrl.policy.tokenizer import CharTokenizer, ChatMessage
+from jetrl.producers.arithmetic import (
+    EVAL_BUCKETS,
+    TEMPLATES,
+    ArithmeticEnv,
+    ProblemGenerator,
+    is_eval_fact,
+    parse_answer,
+)
+from jetrl.producers.environments import make_environment
+
+CHAR = CharTokenizer()
+
+# ---------------------------------------------------------------- a real tokenizer, made here
+
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = (  # Qwen's, reduced: one block per message, then the assistant's opening
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+class BPETokenizer:
+    """A byte-level BPE trained on the spot (no download), wrapped by transformers with a Jinja
+    chat template, behind the Tokenizer seam. No BOS, as Qwen's."""
+
+    def __init__(self) -> None:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+        from transformers import PreTrainedTokenizerFast
+
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=400,
+            special_tokens=list(SPECIALS),
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        )
+        corpus = [t for style in TEMPLATES.values() for ts in style.values() for t in ts] * 20
+        tok.train_from_iterator([*corpus, "Answer: 19 <calc>12*7</calc> \\boxed{3}"], trainer)
+        self.hf: Any = PreTrainedTokenizerFast(
+            tokenizer_object=tok,
+            eos_token="<|im_end|>",
+            pad_token="<|endoftext|>",
+            chat_template=CHAT_TEMPLATE,
+        )
+        self.vocab_size = len(self.hf)
+        self.pad_id = int(self.hf.pad_token_id)
+        self.eos_id = int(self.hf.eos_token_id)
+        self.bos_id = -1
+        self.stop_ids = (self.eos_id,)
+        self.special_ids = frozenset(int(i) for i in self.hf.all_special_ids)
+
+    def encode(self, text: str, *, bos: bool = True, eos: bool = False) -> list[int]:
+        ids = [int(i) for i in self.hf.encode(text, add_special_tokens=False)]
+        return [*ids, self.eos_id] if eos else ids
+
+    def decode(self, ids: Iterable[int], *, skip_special: bool = True, stop_at_eos: bool = True) -> str:
+        out = []
+        for i in ids:
+            if stop_at_eos and i in self.stop_ids:
+                break
+            out.append(i)
+        return str(self.hf.decode(out, skip_special_tokens=skip_special))
+
+    def render_chat(self, messages: Sequence[ChatMessage]) -> str:
+        return str(
+            self.hf.apply_chat_template(
+                [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
+            )
+        )
+
+    def encode_reply(self, text: str, *, role: str = "user") -> list[int]:
+        # The model's turn ended on <|im_end|>; the template goes on with a newline.
+        return self.encode("\n" + self.render_chat([{"role": role, "content": text}]))
+
+
+@functools.cache
+def bpe() -> BPETokenizer:
+    return BPETokenizer()
+
+
+def reply(text: str, tok: Any = CHAR) -> list[int]:
+    return list(tok.encode(text, bos=False, eos=True))
+
+
+# ---------------------------------------------------------------- the answer rule
+
+
+@pytest.mark.parametrize(
+    ("text", "parsed"),
+    [
+        ("19", 19),
+        ("12+7=19", 19),
+        ("ann has 12, buys 7, so 19 in all", 19),
+        ("I think 12 + 7 is 19. Let me check: 7 + 12 = 19. So 20 is wrong", 20),  # the last number
+        ("The answer is 19, because 12 + 7 = 19 and not 21", 19),  # a marker beats the last number
+        ("answer: 19. (12 and 7)", 19),
+        ("**Answer:** 19 apples. Check: 8", 19),
+        ("ANSWER = -3", -3),
+        ("So \\boxed{19}. Answer: 20, or 21", 19),  # boxed beats both
+        ("\\boxed{x = 19} then \\boxed{}", 19),  # the last box with a number in it
+        ("1,234 apples", 1234),
+        ("19.0", 19),
+        ("2.5", Decimal("2.5")),
+        ("12-7", 7),  # a minus after a digit is an operator
+        ("x is -4", -4),
+        ("no number here", None),
+        ("", None),
+    ],
+)
+def test_the_final_answer_rule(text: str, parsed: object) -> None:
+    assert parse_answer(text) == parsed
+
+
+def test_rewards_are_exact_match_of_the_parsed_answer() -> None:
+    env = ArithmeticEnv(CHAR, style="plain")
+    info = {"answer": 19}
+    for text, reward, found in [
+        ("19", 1.0, 1.0),
+        ("answer: 19", 1.0, 1.0),
+        ("12+7=19", 1.0, 1.0),
+        ("18", 0.0, 1.0),
+        ("190", 0.0, 1.0),
+        ("19.5", 0.0, 1.0),
+        ("none", 0.0, 0.0),
+    ]:
+        s = env.score(info, reply(text))
+        assert (s.reward, s.parts) == (reward, {"exact": reward, "parsed": found}), text
+    assert env.score(info, []).parts == {"exact": 0.0, "parsed": 0.0}
+    # Text after <eos> is not the model's answer.
+    assert env.score(info, [*reply("18"), *CHAR.encode("19", bos=False)]).reward == 0.0
+
+
+# ---------------------------------------------------------------- tasks
+
+
+@pytest.mark.parametrize("style", ["plain", "symbols"])
+def test_char_tokenizer_tasks_are_right_and_fit(style: str) -> None:
+    env = make_environment("arithmetic", CHAR, style=style)
+    assert isinstance(env, ArithmeticEnv)
+    rng = random.Random(0)
+    ops = set()
+    for _ in range(200):
+        t = env.make_task(rng)
+        assert t.prompt_tokens == CHAR.encode(t.prompt_text, bos=False)  # rendered, then encoded
+        a, op, b = _split_fact(t.info["fact"])
+        ops.add(op)
+        assert t.info["answer"] == {"+": a + b, "-": a - b, "*": a * b}[op] > 0
+        assert str(a) in t.prompt_text and str(b) in t.prompt_text
+        assert t.info["split"] == "train" and len(reply(str(t.info["answer"]))) <= t.max_tokens
+        assert env.score(t.info, reply(str(t.info["answer"]))).reward == 1.0
+    assert ops == {"+", "-", "*"}
+
+
+def test_words_prompts_go_through_the_chat_template() -> None:
+    tok = bpe()
+    env = ArithmeticEnv(tok)
+    t = env.make_task(random.Random(1))
+    assert t.prompt_text.startswith("<|im_start|>user\n") and t.prompt_text.endswith(
+        "<|im_start|>assistant\n"
+    )
+    assert "Answer: N" in t.prompt_text and t.max_tokens == 256
+    im_start = tok.hf.convert_tokens_to_ids("<|im_start|>")
+    assert t.prompt_tokens[0] == im_start and t.prompt_tokens.count(im_start) == 2  # specials as such
+    assert tok.decode(t.prompt_tokens, skip_special=False, stop_at_eos=False) == t.prompt_text
+    right = reply(f"Let me add them. Answer: {t.info['answer']}", tok)
+    assert env.score(t.info, right).reward == 1.0
+    assert env.score(t.info, reply(f"Answer: {t.info['answer'] + 1}", tok)).reward == 0.0
+
+
+def test_a_tokenizer_that_cannot_write_the_prompts_is_refused_at_once() -> None:
+    with pytest.raises(ValueError, match=r"cannot write the 'words' prompts.*style='plain'"):
+        ArithmeticEnv(CHAR)
+    with pytest.raises(ValueError, match="cannot write the 'plain' prompts"):
+        ArithmeticEnv(CharTokenizer("0123456789+-*/=? ,."), style="plain")  # no letters
+    ArithmeticEnv(CharTokenizer("0123456789+-*="), style="symbols")  # enough for "12+7="
+
+
+def test_bad_parameters() -> None:
+    with pytest.raises(ValueError, match="style"):
+        ArithmeticEnv(CHAR, style="latin")
+    with pytest.raises(ValueError, match="ops"):
+        ArithmeticEnv(CHAR, style="plain", ops="+/")
+    with pytest.raises(ValueError, match="max_value"):
+        ArithmeticEnv(CHAR, style="plain", max_value=3)
+    with pytest.raises(TypeError, match="max_vlaue"):
+        make_environment("arithmetic", CHAR, style="plain", max_vlaue=9)
+
+
+# ---------------------------------------------------------------- the held-out split
+
+
+def _split_fact(fact: str) -> tuple[int, str, int]:
+    op = next(c for c in "+*-" if c in fact)
+    a, b = fact.split(op)
+    return int(a), op, int(b)
+
+
+@pytest.mark.parametrize("style", ["plain", "symbols"])
+def test_training_never_draws_an_evaluation_fact(style: str) -> None:
+    env = ArithmeticEnv(CHAR, style=style)
+    held_out = env.eval_tasks(300)
+    assert len(held_out) == 300 and all(t.info["split"] == "eval" for t in held_out)
+    eval_facts = {t.info["fact"] for t in held_out}
+    assert all(is_eval_fact(f) for f in eval_facts)
+    rng = random.Random(2)
+    train = [env.make_task(rng) for _ in range(3000)]
+    train_facts = {t.info["fact"] for t in train}
+    assert not train_facts & eval_facts and not any(is_eval_fact(f) for f in train_facts)
+    assert not {t.prompt_text for t in train} & {t.prompt_text for t in held_out}
+    # Both operand orders of a sum or product are one fact, so "7+12" is as held out as "12+7".
+    for t in held_out:
+        a, op, b = _split_fact(t.info["fact"])
+        assert a <= b or op == "-"
+
+
+def test_the_split_is_about_one_fact_in_ten_and_stable() -> None:
+    gen = ProblemGenerator("symbols", "+-*", 50, 12)
+    facts = {gen.draw(random.Random(i)).fact for i in range(3000)}
+    share = sum(map(is_eval_fact, facts)) / len(facts)
+    assert 0.5 / EVAL_BUCKETS < share < 1.5 / EVAL_BUCKETS
+    # Keyed by a hash of the fact, fixed for good: these are what any run holds out.
+    assert [f for f in ("3+4", "5+5", "12*12", "6*7", "40-2", "3*4") if is_eval_fact(f)] == [
+        "5+5",
+        "6*7",
+        "3*4",
+    ]
+
+
+def test_eval_tasks_are_the_same_on_every_call_and_prefix_stable() -> None:
+    env = ArithmeticEnv(CHAR, style="plain")
+    first = env.eval_tasks(40)
+    again = ArithmeticEnv(CHAR, style="plain").eval_tasks(40)
+    assert first == again and env.eval_tasks(10) == first[:10]
+    assert len({t.prompt_text for t in first}) == 40  # distinct problems
+    assert env.eval_tasks(0) == []
+
+
+def test_a_small_split_yields_what_it_holds() -> None:
+    env = ArithmeticEnv(CHAR, style="symbols", ops="*", max_factor=5)  # 10 facts, 2 held out
+    assert sorted(t.prompt_text for t in env.eval_tasks(100)) == ["2*4=", "3*4=", "4*2=", "4*3="]
