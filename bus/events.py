@@ -21,6 +21,7 @@ __all__ = [
     "CATALOG",
     "ArrayRef",
     "DeadLettered",
+    "EvaluationReported",
     "Event",
     "EventBody",
     "EventDecodeError",
@@ -310,6 +311,29 @@ class WorkerHeartbeat(EventBody, frozen=True):
     stats: dict[str, float] = {}
 
 
+class EvaluationReported(EventBody, frozen=True):
+    """One evaluation of a policy version on an environment's held-out split, by its producer
+    (producers/evaluation.py). ``policy_version`` is the version it was asked for (its tasks'
+    ``min_policy_version``); ``version_min``/``version_max`` are the versions that generated
+    its samples. A sample succeeds when its score's ``exact`` part is 1.0, or, without one,
+    when its reward is at least 1.0; ``pass_at_k`` is the unbiased estimator with ``n = k =
+    samples`` averaged over tasks. ``successes`` holds each task's count when there are at
+    most 64 tasks."""
+
+    TYPE: ClassVar[str] = "EvaluationReported"
+    env: str
+    policy_version: int
+    n_tasks: int
+    samples: int
+    pass_at_1: float
+    pass_at_k: float
+    reward_mean: float
+    version_min: int
+    version_max: int
+    temperature: float = 1.0
+    successes: list[int] = []
+
+
 class DeadLettered(EventBody, frozen=True):
     """A message that could never be processed, kept whole: its original bytes and headers."""
 
@@ -341,6 +365,7 @@ CATALOG: dict[str, type[EventBody]] = {
         WeightsLoaded,
         WorkerHeartbeat,
         DeadLettered,
+        EvaluationReported,
     )
 }
 

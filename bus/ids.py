@@ -8,6 +8,7 @@ id                 format                               example
 task (turn 0)      ``<env>.<tenant>.<n>``               ``modsum.default.41``
 task (gateway)     ``<env>.<tenant>.<hex>``             ``gateway.default.9f2c...``
 task (turn k > 0)  ``<generation id>.t<k>``             ``chat.default.3-1.t1``
+task (evaluation)  ``<env>.<tenant>.eval.v<version>.n<i>``  ``modsum.default.eval.v4.n2``
 group              the turn-0 task's id
 generation         ``<task id>-<sample index>``         ``modsum.default.41-7``
 rollout            ``<group id>-<sample index>``        ``modsum.default.41-7``
@@ -37,6 +38,19 @@ def task_id(env: str, tenant: str, n: int | str) -> str:
 def task_number(task: str) -> str:
     """The last part of a turn-0 task id: the producer's counter, or the gateway's hex."""
     return task.rsplit(".", 1)[1]
+
+
+def eval_task_id(env: str, tenant: str, version: int, n: int) -> str:
+    """The ``n``-th held-out task of the evaluation of ``version``: its own namespace, never a
+    producer's counter, so it is never counted in the producer's window or trained on."""
+    return f"{task_prefix(env, tenant)}eval.v{version}.n{n}"
+
+
+def is_eval_task(task: str) -> bool:
+    """Whether a task id (any turn) belongs to an evaluation. Env and tenant are single tokens,
+    so the third dotted part is ``eval`` for evaluations only (a counter, hex or ``<n>-<i>``
+    elsewhere)."""
+    return task.split(".")[2:3] == ["eval"]
 
 
 def turn_task_id(generation: str, turn: int) -> str:
@@ -104,6 +118,11 @@ def weights_event_id(run_id: str, version: int) -> str:
 
 def loaded_event_id(run_id: str, worker_id: str, version: int) -> str:
     return derived_id(run_id, f"loaded/{worker_id}/{version}")
+
+
+def evaluation_event_id(run_id: str, tenant: str, env: str, version: int) -> str:
+    """One report per environment producer and evaluated version: a restart re-sends the same."""
+    return derived_id(run_id, f"eval/{tenant}/{env}/{version}")
 
 
 def episode_payload_id(run_id: str, rollout: str) -> str:

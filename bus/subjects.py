@@ -9,6 +9,7 @@
     jetrl.<run>.weights                      WeightsReady
     jetrl.<run>.worker.<kind>.<id>           WeightsLoaded, WorkerHeartbeat
     jetrl.<run>.dlq.<reason>                 DeadLettered
+    jetrl.<run>.eval.<tenant>.<env>          EvaluationReported
 
 Run, tenant, environment, worker kind and id are single subject tokens, so NATS wildcards and
 permissions (``jetrl.<run>.*.<tenant>.>``) can filter and isolate them.
@@ -65,6 +66,10 @@ def generation_subject(run_id: str, tenant: str = "*", env: str = "*") -> str:
 
 def rollout_subject(run_id: str, tenant: str = "*", env: str = "*") -> str:
     return _scoped(run_id, "rollout", tenant, env)
+
+
+def eval_subject(run_id: str, tenant: str = "*", env: str = "*") -> str:
+    return _scoped(run_id, "eval", tenant, env)
 
 
 def step_subject(run_id: str) -> str:
@@ -133,6 +138,7 @@ _SUBJECT_OF: dict[type[ev.EventBody], Callable[[ev.Event], str]] = {
     ev.GenerationCompleted: _scoped_event("generation"),
     ev.RolloutScored: _scoped_event("rollout"),
     ev.RolloutWithheld: _scoped_event("rollout"),
+    ev.EvaluationReported: _scoped_event("eval"),
     ev.StepCompleted: lambda e: step_subject(e.run_id),
     ev.PolicyVersionPublished: lambda e: policy_subject(e.run_id),
     ev.WeightsReady: lambda e: weights_subject(e.run_id),
@@ -155,6 +161,6 @@ def subject_for(event: ev.Event) -> str:
 def tenant_of(subject: str) -> str | None:
     """The tenant token of a tenant-scoped subject, else None (used to catch spoofed events)."""
     parts = subject.split(".")
-    if len(parts) == 5 and parts[2] in ("task", "generation", "rollout"):
+    if len(parts) == 5 and parts[2] in ("task", "generation", "rollout", "eval"):
         return parts[3]
     return None

@@ -16,6 +16,7 @@ from typing import Any, Protocol, TypeAlias, TypeVar, cast
 from jetrl.bus import events as ev
 from jetrl.store.specs import (
     DEAD_LETTERS,
+    EVALUATIONS,
     GENERATIONS,
     POLICY_VERSIONS,
     ROLLOUTS,
@@ -336,6 +337,25 @@ def _dead_lettered(item: Logged, b: ev.DeadLettered) -> list[Partial]:
     return [Partial(DEAD_LETTERS, (e.run_id, e.event_id), item.seq, values)]
 
 
+def _evaluation_reported(item: Logged, b: ev.EvaluationReported) -> list[Partial]:
+    e = item.event
+    values = {
+        "n_tasks": b.n_tasks,
+        "samples": b.samples,
+        "pass_at_1": b.pass_at_1,
+        "pass_at_k": b.pass_at_k,
+        "reward_mean": b.reward_mean,
+        "version_min": b.version_min,
+        "version_max": b.version_max,
+        "temperature": b.temperature,
+        "successes": list(b.successes),
+        "reported_at": e.time,
+        "event_id": e.event_id,
+        "seq": item.seq,
+    }
+    return [Partial(EVALUATIONS, (e.run_id, e.tenant, b.env, b.policy_version), item.seq, values)]
+
+
 # ----------------------------------------------------------------------------- the table
 
 B = TypeVar("B", bound=ev.EventBody)
@@ -362,6 +382,7 @@ PROJECTORS: dict[type[ev.EventBody], Projector[ev.EventBody]] = dict(
         _entry(ev.WorkerHeartbeat, _worker_heartbeat),
         _entry(ev.WeightsLoaded, _weights_loaded),
         _entry(ev.DeadLettered, _dead_lettered),
+        _entry(ev.EvaluationReported, _evaluation_reported),
     ]
 )
 

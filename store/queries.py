@@ -18,6 +18,8 @@ from jetrl.store.db import Store
 
 __all__ = [
     "DeadLetterRow",
+    "EvaluationRow",
+    "EvaluationSummary",
     "PolicyVersionRow",
     "RunSummary",
     "ScopeStats",
@@ -26,6 +28,8 @@ __all__ = [
     "WorkerRow",
     "dead_letters",
     "env_stats",
+    "evaluation_summary",
+    "evaluations",
     "latest_policy_version",
     "list_runs",
     "policy_versions",
@@ -46,6 +50,7 @@ SR = sc.StepRollout.__table__
 PV = sc.PolicyVersion.__table__
 W = sc.Worker.__table__
 DL = sc.DeadLetter.__table__
+EV = sc.Evaluation.__table__
 RUNS = sc.Run.__table__
 OFF = sc.OFFSETS
 
@@ -493,3 +498,81 @@ def dead_letters(src: Source, run_id: str) -> list[DeadLetterRow]:
     )
     with _conn(src) as conn:
         return [DeadLetterRow(**dict(r)) for r in conn.execute(q).mappings()]
+
+
+# ----------------------------------------------------------------------------- evaluations
+
+
+@dataclass(frozen=True)
+class EvaluationRow:
+    tenant: str
+    env: str
+    policy_version: int
+    n_tasks: int
+    samples: int
+    pass_at_1: float
+    pass_at_k: float
+    reward_mean: float
+    version_min: int
+    version_max: int
+    temperature: float
+    successes: list[int]
+    reported_at: float
+
+
+def evaluations(src: Source, run_id: str, *, env: str | None = None) -> list[EvaluationRow]:
+    """The run's held-out evaluations (EvaluationReported), by tenant, env and version."""
+    cols = [c for c in EV.c if c.name not in ("run_id", "event_id", "seq")]
+    q = sa.select(*cols).where(EV.c.run_id == run_id).order_by(EV.c.tenant, EV.c.env, EV.c.policy_version)
+    if env is not None:
+        q = q.where(EV.c.env == env)
+    with _conn(src) as conn:
+        return [
+            EvaluationRow(**{**r, "successes": list(r["successes"] or [])})
+            for r in conn.execute(q).mappings()
+        ]
+
+
+@dataclass(frozen=True)
+class EvaluationSummary:
+    """Per tenant and env: the newest evaluation and the best pass@1 and pass@k, with the
+    versions that scored them (the earliest on a tie)."""
+
+    tenant: str
+    env: str
+    evaluations: int
+    samples: int  # k of the latest
+    latest_version: int
+    latest_pass_at_1: float
+    latest_pass_at_k: float
+    best_pass_at_1: float
+    best_pass_at_1_version: int
+    best_pass_at_k: float
+    best_pass_at_k_version: int
+
+
+def evaluation_summary(src: Source, run_id: str) -> list[EvaluationSummary]:
+    by_scope: dict[tuple[str, str], list[EvaluationRow]] = {}
+    for row in evaluations(src, run_id):
+        by_scope.setdefault((row.tenant, row.env), []).append(row)
+    out = []
+    for (tenant, env), rows in by_scope.items():  # each in version order
+        last = rows[-1]
+        b1 = max(rows, key=lambda r: (r.pass_at_1, -r.policy_version))
+        bk = max(rows, key=lambda r: (r.pass_at_k, -r.policy_version))
+        out.append(
+            EvaluationSummary(
+                tenant=tenant,
+                env=env,
+                evaluations=len(rows),
+                samples=last.samples,
+                latest_version=last.policy_version,
+                latest_pass_at_1=last.pass_at_1,
+                latest_pass_at_k=last.pass_at_k,
+                best_pass_at_1=b1.pass_at_1,
+                best_pass_at_1_version=b1.policy_version,
+                best_pass_at_k=bk.pass_at_k,
+                best_pass_at_k_version=bk.policy_version,
+            )
+        )
+    return out

@@ -244,6 +244,30 @@ class DeadLetter(Base):
     seq: Mapped[int] = mapped_column(sa.BigInteger)
 
 
+class Evaluation(Base):
+    """EvaluationReported: one environment producer's evaluation of a policy version on its
+    held-out split (first fact wins). Keyed by tenant too: two producers may share an env name."""
+
+    __tablename__ = "evaluations"
+
+    run_id: Mapped[str] = mapped_column(RunId, primary_key=True)
+    tenant: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    env: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    policy_version: Mapped[int] = mapped_column(sa.Integer, primary_key=True)
+    n_tasks: Mapped[int] = mapped_column(sa.Integer)
+    samples: Mapped[int] = mapped_column(sa.Integer)
+    pass_at_1: Mapped[float] = mapped_column(Float)
+    pass_at_k: Mapped[float] = mapped_column(Float)
+    reward_mean: Mapped[float] = mapped_column(Float)
+    version_min: Mapped[int] = mapped_column(sa.Integer)
+    version_max: Mapped[int] = mapped_column(sa.Integer)
+    temperature: Mapped[float] = mapped_column(Float)
+    successes: Mapped[list[int]] = mapped_column(Json)
+    reported_at: Mapped[float] = mapped_column(Float)
+    event_id: Mapped[str] = mapped_column(Id)
+    seq: Mapped[int] = mapped_column(sa.BigInteger)
+
+
 class ConsumerOffset(Base):
     """How far a projection has applied a stream; written in the same transaction as the rows."""
 
@@ -267,6 +291,17 @@ def table_of(model: type[Base]) -> sa.Table:
 # Tables holding a run's projection, in dependency-free dump order.
 PROJECTION_TABLES: tuple[sa.Table, ...] = tuple(
     table_of(m)
-    for m in (Run, Task, Generation, Rollout, StepRollout, Step, PolicyVersion, Worker, DeadLetter)
+    for m in (
+        Run,
+        Task,
+        Generation,
+        Rollout,
+        StepRollout,
+        Step,
+        PolicyVersion,
+        Worker,
+        DeadLetter,
+        Evaluation,
+    )
 )
 OFFSETS: sa.Table = table_of(ConsumerOffset)

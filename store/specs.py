@@ -16,6 +16,7 @@ from jetrl.store.derived import Coalesce, Col, Derived, Minus
 
 __all__ = [
     "DEAD_LETTERS",
+    "EVALUATIONS",
     "GENERATIONS",
     "POLICY_VERSIONS",
     "ROLLOUTS",
@@ -175,6 +176,7 @@ WORKERS = Spec(
     ),
 )
 DEAD_LETTERS = Spec(_T["dead_letters"], ("run_id", "event_id"))
+EVALUATIONS = Spec(_T["evaluations"], ("run_id", "tenant", "env", "policy_version"))
 
 # Write order of a batch; any order gives the same rows, a fixed one keeps lock order stable.
 SPECS: tuple[Spec, ...] = (
@@ -187,4 +189,5 @@ SPECS: tuple[Spec, ...] = (
     POLICY_VERSIONS,
     WORKERS,
     DEAD_LETTERS,
+    EVALUATIONS,
 )

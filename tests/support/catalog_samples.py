@@ -112,4 +112,17 @@ def sample_bodies() -> list[ev.EventBody]:
             original_data=b"\xff\x00garbage",
             original_headers={"Nats-Msg-Id": "x"},
         ),
+        ev.EvaluationReported(
+            env="reverse",
+            policy_version=10,
+            n_tasks=3,
+            samples=4,
+            pass_at_1=0.5,
+            pass_at_k=2 / 3,
+            reward_mean=0.625,
+            version_min=10,
+            version_max=11,
+            temperature=0.7,
+            successes=[4, 2, 0],
+        ),
     ]
