@@ -1,8 +1,9 @@
 """A run's steps for people: the progress line, the end-of-run summary and the reward curve.
 
 A `RunReport` is fed StepCompleted bodies, each with its time in seconds since the run started,
-and knows nothing of processes or buses: the supervisor feeds it from its live tail of the step
-subject, and a finished run's log can feed it the same way (times from the events' `time`).
+and EvaluationReported bodies (held-out pass@1/pass@k), and knows nothing of processes or buses:
+the supervisor feeds it from its live tails of the step and eval subjects, and a finished run's
+log can feed it the same way (times from the events' `time`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,40 @@ class RunReport:
         self.steps: list[dict[str, float]] = []
         # Part -> whether it differed from the step's mean reward at some step, in first-seen order.
         self._differs: dict[str, bool] = {}
+        # "<env>" (or "<tenant>/<env>" off the default tenant) -> its evaluations by version.
+        self.evaluations: dict[str, dict[int, ev.EvaluationReported]] = {}
+
+    def add_evaluation(self, body: ev.EvaluationReported, tenant: str = "default") -> None:
+        scope = body.env if tenant == "default" else f"{tenant}/{body.env}"
+        self.evaluations.setdefault(scope, {}).setdefault(body.policy_version, body)  # first fact wins
+
+    def evaluation_line(self, body: ev.EvaluationReported) -> str:
+        return (
+            f"eval {body.env} v{body.policy_version} | pass@1 {body.pass_at_1:.3f} | "
+            f"pass@{body.samples} {body.pass_at_k:.3f} | reward {body.reward_mean:.3f} | {body.n_tasks} tasks"
+        )
+
+    def evaluation_summary(self) -> dict[str, dict[str, Any]]:
+        """Per env: the latest evaluation's pass@1 and pass@k, and the best of each with its
+        version (the earliest on a tie)."""
+        out: dict[str, dict[str, Any]] = {}
+        for scope, by_version in self.evaluations.items():
+            rows = [by_version[v] for v in sorted(by_version)]
+            last = rows[-1]
+            b1 = max(rows, key=lambda r: (r.pass_at_1, -r.policy_version))
+            bk = max(rows, key=lambda r: (r.pass_at_k, -r.policy_version))
+            out[scope] = {
+                "evaluations": len(rows),
+                "k": last.samples,
+                "latest_version": last.policy_version,
+                "pass_at_1": round(last.pass_at_1, 4),
+                "pass_at_k": round(last.pass_at_k, 4),
+                "best_pass_at_1": round(b1.pass_at_1, 4),
+                "best_pass_at_1_version": b1.policy_version,
+                "best_pass_at_k": round(bk.pass_at_k, 4),
+                "best_pass_at_k_version": bk.policy_version,
+            }
+        return out
 
     def add(self, step: ev.StepCompleted, t: float) -> None:
         self.steps.append(dict(step.metrics, step=step.step, tokens=step.tokens, t=t))
@@ -68,6 +103,8 @@ class RunReport:
     def summary(self) -> dict[str, Any]:
         steps = self.steps
         out: dict[str, Any] = {"steps": len(steps)}
+        if self.evaluations:
+            out["evaluations"] = self.evaluation_summary()
         if not steps:
             return out
         last = steps[-WINDOW:]

@@ -238,15 +238,26 @@ class Supervisor:
             print(text, flush=True)
 
     async def follow_steps(self, bus: Bus) -> None:
-        async for item in bus.tail(self.run_id, filter_subject=subjects.step_subject(self.run_id)):
-            b = item.event.body if item.event else None
-            if not isinstance(b, ev.StepCompleted):
-                continue
-            self.progress.report.add(b, time.monotonic() - self.progress.started)
-            now = time.monotonic()
-            if now - self.progress.last_print >= 2.0 or b.step == self.cfg.trainer.max_steps - 1:
-                self.progress.last_print = now
-                self.say(self.progress.report.line())
+        evals = asyncio.create_task(self.follow_evaluations(bus))  # ends with this follower
+        try:
+            async for item in bus.tail(self.run_id, filter_subject=subjects.step_subject(self.run_id)):
+                b = item.event.body if item.event else None
+                if not isinstance(b, ev.StepCompleted):
+                    continue
+                self.progress.report.add(b, time.monotonic() - self.progress.started)
+                now = time.monotonic()
+                if now - self.progress.last_print >= 2.0 or b.step == self.cfg.trainer.max_steps - 1:
+                    self.progress.last_print = now
+                    self.say(self.progress.report.line())
+        finally:
+            evals.cancel()
+
+    async def follow_evaluations(self, bus: Bus) -> None:
+        """Held-out evaluations, into the report (and the summary), one line each."""
+        async for item in bus.tail(self.run_id, filter_subject=subjects.eval_subject(self.run_id)):
+            if item.event is not None and isinstance(item.event.body, ev.EvaluationReported):
+                self.progress.report.add_evaluation(item.event.body, item.event.tenant)
+                self.say(self.progress.report.evaluation_line(item.event.body))
 
     # ------------------------------------------------------------------ the run
 

@@ -10,6 +10,9 @@ GenerationCompleted into a RolloutScored (event id derived from the generation's
 redelivered generation is scored once). An optional simulated latency (lognormal) stands in for
 slow environments such as sandboxes and tool calls; scoring runs concurrently.
 
+Evaluation (producers/evaluation.py): every ``eval_every`` policy versions, the environment's
+held-out split, scored into one EvaluationReported instead of rollouts.
+
 Restart: what was submitted, trained and withheld is re-read from the log.
 """
 
@@ -32,6 +35,7 @@ from jetrl.bus.log import get_logger
 from jetrl.bus.payloads import ObjectStorePayloads, Payloads, log_array
 from jetrl.policy.tokenizer import tokenizer_for
 from jetrl.producers.environments import Environment, FollowUp, Score, make_environment
+from jetrl.producers.evaluation import Evaluator
 from jetrl.producers.settings import ProducerPart
 
 
@@ -54,6 +58,7 @@ class EnvProducer:
         self.scored = 0
         self.latency_rng = random.Random(part.seed + 17)
         self.log = get_logger(__name__, run_id=run_id, tenant=settings.tenant, env=settings.name)
+        self.evaluator = Evaluator(self)
 
     @property
     def window(self) -> int:
@@ -74,7 +79,9 @@ class EnvProducer:
             b = item.event.body if item.event else None
             if isinstance(b, ev.TaskSubmitted):
                 self.tasks[b.task_id] = b
-                if b.turn == 0:  # later turns belong to a group already counted
+                if ids.is_eval_task(b.task_id):  # not in the window: the evaluator's
+                    self.evaluator.note_task(item.seq, b)
+                elif b.turn == 0:  # later turns belong to a group already counted
                     self.submitted = max(self.submitted, int(ids.task_number(b.task_id)) + 1)
 
     async def watch_steps(self) -> None:
@@ -101,6 +108,7 @@ class EnvProducer:
     async def submit_loop(self, stop: asyncio.Event) -> None:
         rng = random.Random(self.part.seed * 7919 + self.submitted)
         while not stop.is_set():
+            await self.evaluator.maybe_start(self.trainer_version)
             while self.outstanding < self.window and not stop.is_set():
                 task = self.env.make_task(rng)
                 await self.hand_out(
@@ -116,15 +124,23 @@ class EnvProducer:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.changed.wait(), timeout=1.0)
 
-    async def hand_out(self, task_id: str, *, cause: ev.Event | None = None, **fields: Any) -> None:
+    async def hand_out(
+        self,
+        task_id: str,
+        *,
+        cause: ev.Event | None = None,
+        min_policy_version: int | None = None,
+        temperature: float | None = None,
+        **fields: Any,
+    ) -> None:
         """Publish one model turn as a TaskSubmitted (its id derived from the task's, so a
         restarted producer that hands it out again is deduplicated) and keep it to score the
-        answers."""
+        answers. By default it asks for the trainer's latest version at the env's temperature."""
         body = ev.TaskSubmitted(
             task_id=task_id,
             env=self.s.name,
-            min_policy_version=self.trainer_version,
-            temperature=self.s.temperature,
+            min_policy_version=self.trainer_version if min_policy_version is None else min_policy_version,
+            temperature=self.s.temperature if temperature is None else temperature,
             **fields,
         )
         self.tasks[task_id] = body
@@ -159,6 +175,9 @@ class EnvProducer:
         result = await self.env.areact(task.info, g.turn, completion)
         if isinstance(result, FollowUp):
             await self.next_turn(d, g, task, completion, result)
+            return
+        if ids.is_eval_task(g.task_id):  # held out: into the evaluation, never a rollout
+            await self.evaluator.scored(d, task, result)
             return
         trace = None if g.routing_trace is None else log_array(d.seq, "routing_trace", g.routing_trace)
         if task.episode is None:
@@ -239,6 +258,7 @@ class EnvProducer:
             episode_id=episode.task_id,
             turn=g.turn + 1,
             cause=d.event,
+            temperature=task.temperature,  # an episode keeps its first turn's (evaluations' own)
         )
 
     async def episode_rollout(
@@ -309,6 +329,7 @@ class EnvProducer:
         )
         await self.catch_up()
         await asyncio.to_thread(self.env.prepare)
+        await self.evaluator.restore()  # scores again: after prepare
         watchers = [asyncio.create_task(self.watch_steps()), asyncio.create_task(self.watch_withheld())]
         self.log.info("producer_started", submitted=self.submitted, window=self.window)
         try:

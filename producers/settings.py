@@ -30,6 +30,13 @@ class EnvSettings(Section):
     # still withholds whatever ends up staler than the bound.
     inflight_groups: int | None = Field(None, ge=1)
     ack_wait_s: float = Field(30.0, gt=0)  # how soon generations held by a dead producer are rescored
+    # Evaluation on the environment's held-out split (producers/evaluation.py): every
+    # `eval_every` policy versions (0 = never; version 0 is evaluated too), its first
+    # `eval_tasks` tasks, `eval_samples` samples each (the k of pass@k), never trained on.
+    eval_every: int = Field(0, ge=0)
+    eval_tasks: int = Field(32, ge=1, le=10_000)
+    eval_samples: int = Field(4, ge=1, le=1024)
+    eval_temperature: float = Field(1.0, ge=0)
 
     @field_validator("name", "tenant")
     @classmethod
