@@ -290,6 +290,8 @@ class WeightsReady(EventBody, frozen=True):
     version: int
     location: PayloadRef
     weights_checksum: str
+    # "safetensors": jetrl's tensors (torchtitan names, grouped experts); "safetensors-hf":
+    # Hugging Face names and per-expert tensors. The checksum is the canonical tensors' in both.
     format: str = "safetensors"
 
 

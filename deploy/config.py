@@ -149,15 +149,14 @@ def config_for_run(data: dict[str, Any], overrides: list[str] | None = None) -> 
         apply_overrides(data, overrides)
     try:
         cfg = RunConfig.model_validate(data)
-        tok = tokenizer_for(cfg.model)
+        vocab = None
         if cfg.model.hf_path:  # a checkpoint is checked here, before any process starts (torch)
             from jetrl.policy.origin import check_model
 
             vocab = check_model(cfg.model).vocab_size
-            if tok.vocab_size > vocab:
-                raise ValueError(
-                    f"the tokenizer's {tok.vocab_size} ids do not fit the model's vocabulary of {vocab}"
-                )
+        tok = tokenizer_for(cfg.model)
+        if vocab is not None and tok.vocab_size > vocab:
+            raise ValueError(f"the tokenizer's {tok.vocab_size} ids exceed the model's vocabulary of {vocab}")
         for e in cfg.envs:
             make_environment(e.env_kind, tok, **e.params).prepare()
     except Exception as exc:

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import torch
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+VOCAB = 512
 # Qwen's template, reduced to what the tests need: one block per message, and the opening of
 # the assistant's turn when asked for.
 CHAT_TEMPLATE = (
@@ -24,20 +25,23 @@ CHAT_TEMPLATE = (
 )
 
 
-def _corpus(n: int = 600, seed: int = 0) -> list[str]:
+def _corpus(n: int = 800, seed: int = 0) -> list[str]:
+    """Texts like the arithmetic and calculator environments' (their instructions, questions,
+    tool calls and answers), so that their prompts take few tokens."""
+    from jetrl.producers.arithmetic import INSTRUCTION, ProblemGenerator
+    from jetrl.producers.tool_env import TOOL_INSTRUCTIONS
+
     rng = random.Random(seed)
-    names = ["ann", "bob", "cara", "dev", "eli", "fay"]
-    things = ["apples", "books", "coins", "pens", "stones"]
-    out = []
+    gen = ProblemGenerator("words", "+-*", 999, 99)
+    out = [TOOL_INSTRUCTIONS["words"], INSTRUCTION["words"]] * 20
     for _ in range(n):
-        a, b = rng.randint(0, 99), rng.randint(0, 99)
-        nm, th = rng.choice(names), rng.choice(things)
-        out.append(f"{nm.title()} has {a} {th} and gets {b} more. How many {th} now? The answer is {a + b}.")
-        out.append(f"{a} + {b} = {a + b}; {a} * {b} = {a * b}; <calc>{a}-{b}</calc> = {a - b}")
+        p = gen.draw(rng)
+        call = f"<calc>{p.a} {p.op} {p.b}</calc>"
+        out.append(f"{p.question} {INSTRUCTION['words']} {call} {p.answer} Answer: {p.answer}")
     return out
 
 
-def make_tokenizer_dir(path: Path, vocab_size: int = 320) -> Path:
+def make_tokenizer_dir(path: Path, vocab_size: int = VOCAB) -> Path:
     """A byte-level BPE tokenizer with the chat template, saved as transformers saves one."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -75,7 +79,7 @@ def make_checkpoint(
 
     path.mkdir(parents=True, exist_ok=True)
     tok_dir = make_tokenizer_dir(path) if tokenizer else None
-    vocab = 320
+    vocab = VOCAB
     common: dict[str, Any] = dict(
         vocab_size=vocab,
         hidden_size=64,
@@ -83,7 +87,7 @@ def make_checkpoint(
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
-        max_position_embeddings=256,
+        max_position_embeddings=1024,
         rope_theta=10_000.0,
         tie_word_embeddings=tie,
         eos_token_id=2,
@@ -113,9 +117,75 @@ def make_checkpoint(
     return path
 
 
+def tool_use_examples(n: int, seed: int) -> list[list[dict[str, str]]]:
+    """Conversations of the calculator environment solved with one tool call each."""
+    from jetrl.producers.arithmetic import INSTRUCTION, ProblemGenerator
+    from jetrl.producers.tool_env import TOOL_INSTRUCTIONS
+
+    rng = random.Random(seed)
+    gen = ProblemGenerator("words", "+-*", 999, 99)
+    out = []
+    for _ in range(n):
+        p = gen.draw(rng)
+        out.append(
+            [
+                {"role": "system", "content": TOOL_INSTRUCTIONS["words"]},
+                {"role": "user", "content": f"{p.question} {INSTRUCTION['words']}"},
+                {"role": "assistant", "content": f"<calc>{p.a} {p.op} {p.b}</calc>"},
+                {"role": "tool", "content": str(p.answer)},
+                {"role": "assistant", "content": f"Answer: {p.answer}"},
+            ]
+        )
+    return out
+
+
+def warm_start(path: Path, steps: int, *, seed: int = 0, batch: int = 16, lr: float = 3e-3) -> float:
+    """A few supervised steps on :func:`tool_use_examples`, as an instruction-tuned model would
+    have had: the model then calls the tool and answers in the expected form (its arithmetic is
+    another matter). Trains on everything after the system and user turns; saves in place and
+    returns the last loss."""
+    from transformers import AutoModelForCausalLM
+
+    from jetrl.policy.hf_tokenizer import HFTokenizer
+
+    tok = HFTokenizer(path)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    model.train()
+    convos = tool_use_examples(batch * 16, seed)
+    rows = []
+    for c in convos:
+        prompt = tok.encode(tok.render_chat(c[:2]), bos=False)
+        full = tok.encode(tok.render_chat(c)[: -len("<|im_start|>assistant\n")], bos=False)
+        rows.append((full, len(prompt)))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    g = random.Random(seed)
+    loss = torch.tensor(float("nan"))
+    for _ in range(steps):
+        picked = g.sample(rows, batch)
+        width = max(len(r) for r, _ in picked)
+        ids = torch.full((batch, width), tok.pad_id, dtype=torch.long)
+        labels = torch.full((batch, width), -100, dtype=torch.long)
+        mask = torch.zeros((batch, width), dtype=torch.long)
+        for i, (r, start) in enumerate(picked):
+            ids[i, : len(r)] = torch.tensor(r)
+            labels[i, start : len(r)] = torch.tensor(r[start:])
+            mask[i, : len(r)] = 1
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.save_pretrained(str(path))
+    return float(loss.detach())
+
+
 def main(args: argparse.Namespace) -> int:
     out = make_checkpoint(Path(args.dir), args.kind, seed=args.seed, layers=args.layers)
     print(f"wrote a tiny {args.kind} checkpoint to {out}")
+    if args.warm_steps:
+        loss = warm_start(out, args.warm_steps, seed=args.seed)
+        print(
+            f"warm start: {args.warm_steps} supervised steps on tool-use conversations, last loss {loss:.3f}"
+        )
     return 0
 
 
@@ -125,4 +195,7 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--kind", choices=["moe", "dense"], default="moe")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument(
+        "--warm-steps", type=int, default=150, help="supervised steps on tool-use conversations (0: none)"
+    )
     p.set_defaults(func=main)

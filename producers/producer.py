@@ -240,6 +240,10 @@ class EnvProducer:
             )
         logprobs = (await self.payloads.get_array(g.logprobs)).astype(np.float64).tolist()
         follow = self.env.tok.encode_reply(reply.text, role=reply.role)
+        if not completion or completion[-1] not in self.env.tok.stop_ids:
+            # The turn ran out of tokens: close it as the template would (its end-of-turn
+            # token, masked out with the reply), so the next prompt keeps the template's shape.
+            follow = [self.env.tok.eos_id, *follow]
         episode = msgspec.structs.replace(
             episode,
             completion=[*episode.completion, *completion, *follow],

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from jetrl.deploy.tiny_hf_cmd import make_checkpoint
+from jetrl.deploy.tiny_hf_cmd import VOCAB, make_checkpoint
 from jetrl.policy.hf import CheckpointError, check_checkpoint, load_state, read_config, save_checkpoint
 from jetrl.policy.origin import initial_model
 from jetrl.policy.routing import capture_routing, replay_routing
@@ -37,7 +37,7 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _tokens(seed: int, shape: tuple[int, int] = (3, 19)) -> torch.Tensor:
-    return torch.randint(0, 320, shape, generator=torch.Generator().manual_seed(seed))
+    return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
 
 
 def _hf_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
@@ -54,14 +54,14 @@ def test_logits_equal_transformers(ckpts: dict[str, Path], kind: str) -> None:
     with torch.no_grad():
         ours = model(ids)
     ref = _hf_logits(ckpts[kind], ids)
-    assert ours.shape == ref.shape == (3, 19, 320)
+    assert ours.shape == ref.shape == (3, 19, VOCAB)
     assert ref.abs().max() > 0.1  # a model that says something
     assert (ours - ref).abs().max().item() <= TOL
 
 
 def test_config_is_read_from_the_checkpoint(ckpts: dict[str, Path]) -> None:
     cfg = read_config(ckpts["moe"])
-    assert (cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.num_experts, cfg.top_k) == (320, 64, 2, 8, 2)
+    assert (cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.num_experts, cfg.top_k) == (VOCAB, 64, 2, 8, 2)
     assert cfg.moe_hidden_dim == 32 and cfg.route_norm and cfg.attention == "sdpa"
     assert read_config(ckpts["dense"]).dense_hidden_dim == 128
     assert read_config(ckpts["moe"], attention="flex").attention == "flex"
