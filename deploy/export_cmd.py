@@ -11,15 +11,14 @@ Without ``--nats-url`` the run's own log files are served by a private nats-serv
 from __future__ import annotations
 
 import argparse
-import asyncio
 from pathlib import Path
 
 from jetrl.bus.client import Bus
 from jetrl.bus.log import configure
 from jetrl.bus.payloads import Payloads
-from jetrl.bus.server import EmbeddedServer
 from jetrl.consumers.trainer.replay import read_run_log
 from jetrl.deploy.config import RunConfig
+from jetrl.deploy.run_log import with_run_log
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -70,14 +69,13 @@ async def export(
 def main(args: argparse.Namespace) -> int:
     configure(level="warning")
     run_dir = Path(args.runs_dir) / args.run
-    go = (args.run, run_dir, args.version, Path(args.dir), args.dtype)
-    if args.nats_url:
-        return asyncio.run(export(args.nats_url, *go))
-    if not (run_dir / "nats").is_dir():
-        print(f"export-model: {run_dir / 'nats'} not found; give --nats-url for a run on another server")
-        return 2
-    with EmbeddedServer(run_dir / "nats") as srv:
-        return asyncio.run(export(srv.url, *go))
+    out = Path(args.dir)
+    return with_run_log(
+        "export-model",
+        run_dir,
+        args.nats_url,
+        lambda url: export(url, args.run, run_dir, args.version, out, args.dtype),
+    )
 
 
 def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

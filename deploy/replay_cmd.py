@@ -11,14 +11,12 @@ nats-server.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import time
 from pathlib import Path
 
 from jetrl.bus.client import Bus
 from jetrl.bus.log import configure
 from jetrl.bus.payloads import Payloads
-from jetrl.bus.server import EmbeddedServer
 from jetrl.consumers.trainer.core import TrainCore
 from jetrl.consumers.trainer.replay import (
     Replayer,
@@ -29,6 +27,7 @@ from jetrl.consumers.trainer.replay import (
     read_run_log,
 )
 from jetrl.deploy.config import RunConfig, library_versions
+from jetrl.deploy.run_log import with_run_log
 
 
 async def replay(
@@ -100,13 +99,7 @@ def main(args: argparse.Namespace) -> int:
     configure(level="warning")
     run_dir = Path(args.runs_dir) / args.run
     kw = {"from_step": args.from_step, "to_step": args.to_step, "verify": args.verify}
-    if args.nats_url:
-        return asyncio.run(replay(args.nats_url, args.run, run_dir, **kw))
-    if not (run_dir / "nats").is_dir():
-        print(f"replay: {run_dir / 'nats'} not found; give --nats-url for a run on another server")
-        return 2
-    with EmbeddedServer(run_dir / "nats") as srv:
-        return asyncio.run(replay(srv.url, args.run, run_dir, **kw))
+    return with_run_log("replay", run_dir, args.nats_url, lambda url: replay(url, args.run, run_dir, **kw))
 
 
 def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
