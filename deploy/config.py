@@ -53,6 +53,8 @@ class RunConfig(Section):
         temps = {e.temperature for e in self.envs}
         if len(temps) > 1:
             raise ValueError(f"all envs must sample at one temperature, got {sorted(temps)}")
+        if self.inference.engine == "vllm" and not self.model.hf_path:
+            raise ValueError("[inference] engine = 'vllm' serves a checkpoint: set [model] hf_path")
         return self
 
     # ------------------------------------------------------------ what each process is handed
@@ -153,7 +155,18 @@ def config_for_run(data: dict[str, Any], overrides: list[str] | None = None) -> 
         if cfg.model.hf_path:  # a checkpoint is checked here, before any process starts (torch)
             from jetrl.policy.origin import check_model
 
-            vocab = check_model(cfg.model).vocab_size
+            mcfg = check_model(cfg.model)
+            vocab = mcfg.vocab_size
+            if cfg.inference.engine == "vllm":
+                from jetrl.consumers.inference.vllm_engine import vllm_python
+
+                if not vllm_python(cfg.inference.vllm).exists():
+                    raise ValueError(f"no vLLM environment at {vllm_python(cfg.inference.vllm)}")
+                if mcfg.is_moe and cfg.trainer.replay:
+                    raise ValueError(
+                        "the vLLM engine returns no routing traces yet: an MoE run with it needs "
+                        "[trainer] replay = false"
+                    )
         tok = tokenizer_for(cfg.model)
         if vocab is not None and tok.vocab_size > vocab:
             raise ValueError(f"the tokenizer's {tok.vocab_size} ids exceed the model's vocabulary of {vocab}")

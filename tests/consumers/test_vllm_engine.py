@@ -1,0 +1,140 @@
+"""The vLLM engine against real vLLM (its CPU build, in .venv-vllm): a server started by the
+engine on a tiny Hugging Face checkpoint made on the spot, checked against jetrl's own model on
+the same files (fp32): sampled-token logprobs, stops, and live weight updates."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from jetrl.bus import events as ev
+from jetrl.bus.client import Bus
+from jetrl.bus.payloads import Payloads
+from jetrl.consumers.inference.engine import GroupRequest, Sample
+from jetrl.consumers.inference.settings import InferencePart, InferenceSettings, VLLMSettings
+from jetrl.consumers.inference.vllm_engine import VLLMEngine, VLLMError, vllm_python
+from jetrl.deploy.tiny_hf_cmd import make_checkpoint
+from jetrl.policy.hf import read_config
+from jetrl.policy.hf_tokenizer import HFTokenizer
+from jetrl.policy.origin import initial_model
+from jetrl.policy.settings import ModelSettings
+from jetrl.policy.weights import ChecksumMismatch, weights_to_bytes
+
+try:
+    HAVE_VLLM = vllm_python(VLLMSettings()).exists()
+except VLLMError:
+    HAVE_VLLM = False
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not HAVE_VLLM, reason="no vLLM environment (make vllm-venv)"),
+]
+
+# fp32 on both sides; vLLM's CPU kernels sum in other orders than torch's.
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("vllm") / "moe", "moe", seed=5)
+
+
+@pytest.fixture(scope="module")
+async def engine(ckpt: Path) -> AsyncIterator[VLLMEngine]:
+    settings = VLLMSettings(
+        gpu_memory_utilization=0.08, max_model_len=512, enforce_eager=True, max_num_seqs=32
+    )
+    part = InferencePart(
+        inference=InferenceSettings(engine="vllm", precision="fp32", vllm=settings),
+        model=ModelSettings(hf_path=str(ckpt)),
+    )
+    e = VLLMEngine(part, "test-worker")
+    yield e
+    await e.close()
+    assert e.proc.returncode is not None
+
+
+def _prompts(ckpt: Path) -> list[list[int]]:
+    tok = HFTokenizer(ckpt)
+    qs = ["What is 3 + 4?", "Ann has 12 apples and buys 7 more. How many apples?", "2 * 8 ="]
+    return [tok.encode(tok.render_chat([{"role": "user", "content": q}]), bos=False) for q in qs]
+
+
+def _max_logprob_gap(model: torch.nn.Module, prompt: list[int], samples: list[Sample]) -> float:
+    worst = 0.0
+    for s in samples:
+        ids = s.completion_tokens.tolist()
+        with torch.no_grad():
+            logp = model(torch.tensor([prompt + ids]))[0].log_softmax(-1)
+        ours = logp[len(prompt) - 1 + torch.arange(len(ids)), torch.tensor(ids)]
+        worst = max(worst, (ours - torch.from_numpy(s.logprobs)).abs().max().item())
+    return worst
+
+
+async def _generate(
+    engine: VLLMEngine, ckpt: Path, **kw: object
+) -> tuple[list[list[int]], list[list[Sample]]]:
+    prompts = _prompts(ckpt)
+    args = {"n": 4, "max_tokens": 12, "temperature": 1.0, "top_p": 1.0, "stop_token_ids": ()} | kw
+    groups = [GroupRequest(prompt_tokens=p, **args) for p in prompts]  # type: ignore[arg-type]
+    return prompts, await engine.generate(groups)
+
+
+async def test_logprobs_match_jetrls_model_on_the_same_checkpoint(engine: VLLMEngine, ckpt: Path) -> None:
+    model = initial_model(ModelSettings(hf_path=str(ckpt)))
+    prompts, out = await _generate(engine, ckpt)
+    assert [len(g) for g in out] == [4, 4, 4]
+    for p, samples in zip(prompts, out, strict=True):
+        assert all(len(s.completion_tokens) == 12 and s.finish_reason == "length" for s in samples)
+        assert all(s.logprobs.dtype.name == "float32" and (s.logprobs <= 0).all() for s in samples)
+        assert _max_logprob_gap(model, p, samples) <= TOL
+    # Samples of one group differ (n draws, not one repeated).
+    assert len({tuple(s.completion_tokens.tolist()) for s in out[0]}) > 1
+
+
+async def test_stop_ids_end_a_completion_with_the_stop_token(engine: VLLMEngine, ckpt: Path) -> None:
+    stops = tuple(range(0, 512, 3))  # a third of the vocabulary: most samples stop early
+    _, out = await _generate(engine, ckpt, max_tokens=24, stop_token_ids=stops)
+    samples = [s for g in out for s in g]
+    stopped = [s for s in samples if s.finish_reason == "stop"]
+    assert stopped, "no sample hit a stop id"
+    for s in samples:
+        ids = s.completion_tokens.tolist()
+        assert not set(ids[:-1]) & set(stops)
+        if s.finish_reason == "stop":
+            assert ids[-1] in stops
+        else:
+            assert len(ids) == 24
+
+
+async def test_weights_update_in_place_and_match_the_new_version(
+    engine: VLLMEngine, ckpt: Path, bus: Bus, run_id: str
+) -> None:
+    cfg = read_config(ckpt)
+    model = initial_model(ModelSettings(hf_path=str(ckpt)))
+    payloads = await Payloads.for_run(bus.js, run_id)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    for version, layout in ((1, cfg), (2, None)):  # Hugging Face layout, then jetrl's
+        if version == 2:
+            with torch.no_grad():
+                model.lm_head.weight.mul_(1.5)
+        data, digest = weights_to_bytes(model, {"version": str(version)}, hf_config=layout)
+        ref = await payloads.default.put(f"weights-v{version}", data)
+        await engine.load_weights(
+            ev.WeightsReady(version=version, location=ref, weights_checksum=digest), payloads
+        )
+        assert engine.loaded_version == version
+        prompts, out = await _generate(engine, ckpt)
+        assert max(_max_logprob_gap(model, p, g) for p, g in zip(prompts, out, strict=True)) <= TOL
+    # Weights whose checksum does not match are refused; the engine keeps what it had.
+    data, _ = weights_to_bytes(model)
+    ref = await payloads.default.put("weights-v3", data)
+    with pytest.raises(ChecksumMismatch):
+        await engine.load_weights(
+            ev.WeightsReady(version=3, location=ref, weights_checksum="0" * 64), payloads
+        )
+    assert engine.loaded_version == 2
