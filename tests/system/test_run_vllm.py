@@ -1,0 +1,113 @@
+"""`jetrl run` with `[inference] engine = "vllm"`: the tiny Hugging Face checkpoint through every
+process, the inference worker driving a real vLLM server (CPU build) as its child. The worker is
+SIGKILLed once mid-run: its vLLM server goes with it, the supervisor restarts the worker (and so a
+new server), and nothing is lost or trained twice; replay verifies every step."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from jetrl.bus import events as ev
+from jetrl.bus.server import EmbeddedServer
+from jetrl.consumers.inference.settings import VLLMSettings
+from jetrl.consumers.inference.vllm_engine import VLLMError, vllm_python
+from jetrl.deploy.config import load_config
+from jetrl.deploy.replay_cmd import replay
+from jetrl.deploy.supervisor import Supervisor
+from jetrl.deploy.tiny_hf_cmd import make_checkpoint, warm_start
+from tests.support.runlog import bodies, read_log
+
+try:
+    HAVE_VLLM = vllm_python(VLLMSettings()).exists()
+except VLLMError:
+    HAVE_VLLM = False
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.fault,
+    pytest.mark.skipif(not HAVE_VLLM, reason="no vLLM environment (make vllm-venv)"),
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 6
+
+
+def _servers_of(ckpt: Path) -> list[int]:
+    """Pids of live processes whose command line names the checkpoint (vLLM servers)."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ")
+            except OSError:
+                continue
+            if b"vllm.entrypoints" in cmd and str(ckpt).encode() in cmd:
+                out.append(int(proc.name))
+    return out
+
+
+async def test_vllm_run_survives_its_worker_killed(tmp_path: Path) -> None:
+    ckpt = make_checkpoint(tmp_path / "ckpt", "moe", seed=0)
+    warm_start(ckpt, 150, seed=0)
+    cfg = load_config(
+        ROOT / "configs" / "hf-tiny.toml",
+        [
+            f"--model.hf_path={ckpt}",
+            "--inference.engine=vllm",
+            "--inference.precision=fp32",
+            "--inference.ack_wait_s=3",
+            "--inference.vllm.gpu_memory_utilization=0.08",
+            "--inference.vllm.max_model_len=1024",
+            "--inference.vllm.enforce_eager=true",
+            "--trainer.replay=false",  # the vLLM engine returns no routing traces yet
+            '--trainer.weights_layout="hf"',
+            f"--trainer.max_steps={STEPS}",
+            "--trainer.batch_groups=2",
+            "--trainer.checkpoint_every=2",
+            "--envs.0.group_size=4",
+            "--envs.0.eval_every=0",
+            "--envs.0.params.max_tokens=24",
+            "--bus.max_gib=0.25",
+            "--bus.payload_max_gib=0.5",
+        ],
+    )
+    run_id = "vllm1"
+    sup = Supervisor(cfg, run_id, tmp_path / run_id, quiet=True)
+    run = asyncio.create_task(sup.run())
+    while len(sup.progress.steps) < 2 and not run.done():
+        await asyncio.sleep(0.1)
+    worker = next(p for p in sup.parts if p.name == "inference-0")
+    assert worker.proc is not None and worker.proc.poll() is None
+    assert _servers_of(ckpt), "the worker runs no vLLM server"
+    worker.proc.send_signal(signal.SIGKILL)
+    assert await asyncio.wait_for(run, 400) == 0
+    assert worker.restarts == 1
+    await asyncio.sleep(1.0)
+    assert not _servers_of(ckpt), "a vLLM server outlived its worker"
+
+    with EmbeddedServer(tmp_path / run_id / "nats") as srv:
+        log = await read_log(srv.url, run_id)
+        steps = bodies(log, ev.StepCompleted)
+        assert sorted(s.step for s in steps) == list(range(STEPS))
+        trained = Counter(rid for s in steps for rid in s.rollout_ids)
+        assert all(n == 1 for n in trained.values()), "a rollout was trained twice"
+        scored = Counter(r.rollout_id for r in bodies(log, ev.RolloutScored))
+        assert all(n == 1 for n in scored.values()) and set(trained) <= set(scored)
+        withheld = {w.rollout_id for w in bodies(log, ev.RolloutWithheld)}
+        assert not withheld & set(trained)
+        assert set(scored) == set(trained) | withheld
+        assert all(w.format == "safetensors-hf" for w in bodies(log, ev.WeightsReady))
+        loaded = bodies(log, ev.WeightsLoaded)
+        assert len({w.worker_id for w in loaded}) >= 1 and max(w.version for w in loaded) >= 1
+        assert bodies(log, ev.RunFinished)[-1].status == "completed"
+        assert not bodies(log, ev.DeadLettered)
+        assert (
+            await replay(
+                srv.url, run_id, tmp_path / run_id, from_step=0, to_step=None, verify=True, quiet=True
+            )
+            == 0
+        )
