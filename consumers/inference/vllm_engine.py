@@ -9,8 +9,8 @@ is a child's exit, not the worker's. The server is reached on loopback only.
 * **Generation.** One ``/v1/completions`` request per group, all of a batch's groups at once (vLLM
   batches them itself): the prompt as token ids, ``n`` samples (vLLM forks them after one
   prefill, so the prompt is computed once per group), temperature, top-p, max tokens and stop
-  token ids one to one (only those: not also the model's EOS), a seed per request drawn from
-  the worker's own stream. Out: the completion's token ids (``return_token_ids``), each sampled
+  token ids one to one (only those: not also the model's EOS); the server's sampler is seeded
+  from the run seed and the worker id. Out: the completion's token ids (``return_token_ids``), each sampled
   token's logprob under the distribution it was drawn from (``--logprobs-mode
   processed_logprobs``: after temperature and top-p, as the embedded engine reports; 0 at
   temperature 0), and the finish reason.
@@ -133,10 +133,6 @@ class VLLMEngine:
         self.part = part
         self.mcfg = model_config_of(part.model)
         self.log = get_logger(__name__, worker_id=worker_id)
-        rng_seed = (
-            part.seed * 1_000_003 + (uuid.uuid5(uuid.NAMESPACE_URL, worker_id).int % 1_000_003)
-        ) % 2**63
-        self.rng = random.Random(rng_seed)
         self.scratch = Path(tempfile.mkdtemp(prefix="jetrl-vllm-"))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -150,7 +146,9 @@ class VLLMEngine:
         }
         env.pop("VIRTUAL_ENV", None)
         self.log_path = self.scratch / "vllm.log"
-        cmd = server_command(part, self.port, self.rng.getrandbits(31))
+        # The server samples from one stream, reproducible from the run seed and the worker id.
+        seed = random.Random(f"{part.seed}/{uuid.uuid5(uuid.NAMESPACE_URL, worker_id)}").getrandbits(31)
+        cmd = server_command(part, self.port, seed)
         self.log.info("vllm_starting", cmd=" ".join(cmd), log=str(self.log_path))
         self._log_file = self.log_path.open("wb")
         self.proc = subprocess.Popen(
@@ -231,7 +229,8 @@ class VLLMEngine:
             "logprobs": 0,
             "return_token_ids": True,
             "skip_special_tokens": False,
-            "seed": self.rng.getrandbits(31),
+            # No per-request seed: on CPU vLLM fails a seeded request that is preempted and
+            # resumed ("CPU Generator does not use offset"); the server samples from its seed.
         }
         out = await self._post("/v1/completions", body)
         choices = sorted(out["choices"], key=lambda c: c["index"])
