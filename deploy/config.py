@@ -162,10 +162,10 @@ def config_for_run(data: dict[str, Any], overrides: list[str] | None = None) -> 
 
                 if not vllm_python(cfg.inference.vllm).exists():
                     raise ValueError(f"no vLLM environment at {vllm_python(cfg.inference.vllm)}")
-                if mcfg.is_moe and cfg.trainer.replay:
+                if mcfg.is_moe and cfg.trainer.replay and not cfg.inference.vllm.capture_routing:
                     raise ValueError(
-                        "the vLLM engine returns no routing traces yet: an MoE run with it needs "
-                        "[trainer] replay = false"
+                        "[inference.vllm] capture_routing = false sends no routing traces: an MoE run "
+                        "needs [trainer] replay = false then"
                     )
         tok = tokenizer_for(cfg.model)
         if vocab is not None and tok.vocab_size > vocab:

@@ -27,6 +27,9 @@ class VLLMSettings(Section):
     enforce_eager: bool = False  # no CUDA graphs / compilation (faster start, slower decode)
     max_num_seqs: int = Field(256, ge=1)
     enable_prefix_caching: bool = True
+    # Router Replay traces of MoE models (consumers/inference/vllm_engine.py); turns the prefix
+    # cache off, since a cached prefix is not computed and so has no routes.
+    capture_routing: bool = True
     extra_args: list[str] = Field(default_factory=list)  # any other `vllm serve` flags
     startup_timeout_s: float = Field(900.0, gt=0)
 

@@ -19,8 +19,13 @@ is a child's exit, not the worker's. The server is reached on loopback only.
   tensors), written as one Hugging Face layout safetensors file (as they came when the trainer
   publishes ``weights_layout = "hf"``) and loaded in place through the server's
   ``/collective_rpc`` by jetrl's worker extension (``vllm_ext/jetrl_vllm_ext.py``).
-* **Routing traces** are not returned yet (``routing_trace`` None): a run with this engine and an
-  MoE model needs ``[trainer] replay = false``, which the run config checks.
+* **Routing traces** for Router Replay (MoE): vLLM's own ``--enable-return-routed-experts``
+  needs Triton's GPU backend, so jetrl's worker extension hooks each MoE gate and records every
+  computed position's top-k experts per request; the engine takes a group's routes after its
+  request and lays them out as the embedded engine does (``[P + C - 1, moe_layers, top_k]``).
+  Capturing turns vLLM's prefix cache off: a prefix served from the cache is not computed, so it
+  has no routes. ``[inference.vllm] capture_routing = false`` keeps the cache and sends no traces
+  (then the trainer needs ``replay = false``).
 
 The server prints to ``vllm.log`` in the engine's scratch directory; its tail is in any error.
 """
@@ -30,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import dataclasses
 import os
 import random
 import signal
@@ -52,7 +58,7 @@ from jetrl.consumers.inference.engine import FinishReason, GroupRequest, Sample
 from jetrl.consumers.inference.settings import InferencePart, VLLMSettings
 
 EXTENSION_DIR = Path(__file__).resolve().parent / "vllm_ext"
-EXTENSION = "jetrl_vllm_ext.WorkerExtension"
+EXTENSION = "jetrl_vllm_ext.RoutingExtension"
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 _PR_SET_PDEATHSIG = 1
 
@@ -76,7 +82,7 @@ def vllm_python(s: VLLMSettings) -> Path:
     )
 
 
-def server_command(part: InferencePart, port: int, seed: int) -> list[str]:
+def server_command(part: InferencePart, port: int, seed: int, *, capture: bool = False) -> list[str]:
     s, v = part.inference, part.inference.vllm
     assert part.model.hf_path
     cmd = [
@@ -113,7 +119,9 @@ def server_command(part: InferencePart, port: int, seed: int) -> list[str]:
         cmd += ["--quantization", v.quantization]
     if v.enforce_eager:
         cmd.append("--enforce-eager")
-    cmd.append("--enable-prefix-caching" if v.enable_prefix_caching else "--no-enable-prefix-caching")
+    # Routes are captured as positions are computed: a prefix served from the cache has none.
+    caching = v.enable_prefix_caching and not capture
+    cmd.append("--enable-prefix-caching" if caching else "--no-enable-prefix-caching")
     return cmd + list(v.extra_args)
 
 
@@ -148,7 +156,8 @@ class VLLMEngine:
         self.log_path = self.scratch / "vllm.log"
         # The server samples from one stream, reproducible from the run seed and the worker id.
         seed = random.Random(f"{part.seed}/{uuid.uuid5(uuid.NAMESPACE_URL, worker_id)}").getrandbits(31)
-        cmd = server_command(part, self.port, seed)
+        self.capture = self.mcfg.is_moe and part.inference.vllm.capture_routing
+        cmd = server_command(part, self.port, seed, capture=self.capture)
         self.log.info("vllm_starting", cmd=" ".join(cmd), log=str(self.log_path))
         self._log_file = self.log_path.open("wb")
         self.proc = subprocess.Popen(
@@ -189,6 +198,8 @@ class VLLMEngine:
                 async with self._session.get(f"{self.url}/health") as r:
                     if r.status == 200:
                         self._ready = True
+                        if self.capture:
+                            await self._start_routes()
                         self.log.info("vllm_ready", startup_s=round(time.monotonic() - t0, 1))
                         return
             await asyncio.sleep(0.5)
@@ -203,6 +214,14 @@ class VLLMEngine:
                 raise VLLMError(f"vLLM {path} answered {r.status}: {(await r.text())[:2000]}")
             return await r.json()
 
+    async def _start_routes(self) -> None:
+        assert self._session is not None
+        async with self._session.post(
+            f"{self.url}/collective_rpc", json={"method": "jetrl_start_routes"}
+        ) as r:
+            if r.status != 200:
+                raise VLLMError(f"vLLM could not start capturing routes: {(await r.text())[:2000]}")
+
     async def rpc(self, method: str, *args: Any) -> list[Any]:
         """A call of jetrl's worker extension on every vLLM worker; their answers."""
         out = await self._post("/collective_rpc", {"method": method, "args": list(args)})
@@ -215,7 +234,9 @@ class VLLMEngine:
         return list(await asyncio.gather(*(self._group(g) for g in groups)))
 
     async def _group(self, g: GroupRequest) -> list[Sample]:
+        tag = f"jetrl{uuid.uuid4().hex}"
         body = {
+            "request_id": tag,
             "model": self.model_name,
             "prompt": [int(t) for t in g.prompt_tokens],
             "n": g.n,
@@ -234,7 +255,31 @@ class VLLMEngine:
         }
         out = await self._post("/v1/completions", body)
         choices = sorted(out["choices"], key=lambda c: c["index"])
-        return [self._sample(c, g) for c in choices]
+        samples = [self._sample(c, g) for c in choices]
+        if not self.capture:
+            return samples
+        routes = (await self.rpc("jetrl_take_routes", tag))[0]
+        return [
+            dataclasses.replace(s, routing_trace=self._trace(routes, tag, i, g.n, len(g.prompt_tokens), s))
+            for i, s in enumerate(samples)
+        ]
+
+    def _trace(
+        self, routes: dict[str, list[list[list[int]]]], tag: str, index: int, n: int, p: int, s: Sample
+    ) -> Any:
+        """Sample ``index``'s trace ``[P + C - 1, moe_layers, top_k]`` (the last sampled token is
+        never fed back), the embedded engine's layout. vLLM names a group's samples
+        ``<index>_<request id>``."""
+        mine = [r for r in routes if r.startswith(f"{index}_") or (n == 1 and not r[0].isdigit())]
+        if len(mine) != 1:
+            raise VLLMError(f"no routes (or several) for sample {index} of {tag}: {sorted(routes)[:4]}")
+        want = p + len(s.completion_tokens) - 1
+        rows = routes[mine[0]][:want]
+        if len(rows) != want or any(not r for r in rows):
+            got = sum(bool(r) for r in rows)
+            raise VLLMError(f"sample {index} of {tag}: routes for {got} positions, not {want}")
+        dtype = np.uint8 if self.mcfg.num_experts <= 256 else np.uint16
+        return np.asarray(rows, dtype=dtype)
 
     def _sample(self, choice: dict[str, Any], g: GroupRequest) -> Sample:
         ids = [int(t) for t in choice.get("token_ids") or []]

@@ -109,6 +109,31 @@ async def test_stop_ids_end_a_completion_with_the_stop_token(engine: VLLMEngine,
             assert len(ids) == 24
 
 
+async def test_routing_traces_equal_jetrls_router_on_the_same_tokens(engine: VLLMEngine, ckpt: Path) -> None:
+    """vLLM's traces (from its gates) against jetrl's capture on a forward of the same tokens:
+    the same experts wherever vLLM computed the same numbers (fp32; a near tie may flip)."""
+    from jetrl.policy.routing import capture_routing
+
+    model = initial_model(ModelSettings(hf_path=str(ckpt)))
+    prompts, out = await _generate(engine, ckpt)
+    rows = same = 0
+    for p, samples in zip(prompts, out, strict=True):
+        for s in samples:
+            trace = s.routing_trace
+            ids = s.completion_tokens.tolist()
+            assert trace is not None and trace.dtype.name == "uint8"
+            assert trace.shape == (len(p) + len(ids) - 1, 2, 2)
+            with torch.no_grad(), capture_routing(model) as cap:
+                model(torch.tensor([p + ids[:-1]]))
+                ours = cap.take()[0]
+            mine = torch.from_numpy(trace.astype("int64")).sort(-1).values
+            theirs = ours.long().sort(-1).values
+            rows += mine.shape[0] * mine.shape[1]
+            same += int((mine == theirs).all(-1).sum())
+    assert same / rows >= 0.99, f"{same} of {rows} (token, layer) choices agree"
+
+
+# Last: it changes the server's weights.
 async def test_weights_update_in_place_and_match_the_new_version(
     engine: VLLMEngine, ckpt: Path, bus: Bus, run_id: str
 ) -> None:

@@ -1,5 +1,6 @@
 """`jetrl run` with `[inference] engine = "vllm"`: the tiny Hugging Face checkpoint through every
-process, the inference worker driving a real vLLM server (CPU build) as its child. The worker is
+process, the inference worker driving a real vLLM server (CPU build) as its child, with Router
+Replay on the traces vLLM's gates recorded. The worker is
 SIGKILLed once mid-run: its vLLM server goes with it, the supervisor restarts the worker (and so a
 new server), and nothing is lost or trained twice; replay verifies every step."""
 
@@ -63,7 +64,6 @@ async def test_vllm_run_survives_its_worker_killed(tmp_path: Path) -> None:
             "--inference.vllm.gpu_memory_utilization=0.08",
             "--inference.vllm.max_model_len=1024",
             "--inference.vllm.enforce_eager=true",
-            "--trainer.replay=false",  # the vLLM engine returns no routing traces yet
             '--trainer.weights_layout="hf"',
             f"--trainer.max_steps={STEPS}",
             "--trainer.batch_groups=2",
@@ -101,6 +101,9 @@ async def test_vllm_run_survives_its_worker_killed(tmp_path: Path) -> None:
         assert not withheld & set(trained)
         assert set(scored) == set(trained) | withheld
         assert all(w.format == "safetensors-hf" for w in bodies(log, ev.WeightsReady))
+        # Router Replay: every generation carries vLLM's routing trace, and the trainer replayed them.
+        gens = bodies(log, ev.GenerationCompleted)
+        assert gens and all(g.routing_trace is not None for g in gens)
         loaded = bodies(log, ev.WeightsLoaded)
         assert len({w.worker_id for w in loaded}) >= 1 and max(w.version for w in loaded) >= 1
         assert bodies(log, ev.RunFinished)[-1].status == "completed"

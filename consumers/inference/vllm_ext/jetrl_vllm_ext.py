@@ -29,3 +29,84 @@ class WorkerExtension:
             if kernel is not None:
                 kernel.fused_experts.process_weights_after_loading(module)
         return len(tensors)
+
+
+class _RouteLog:
+    """Router choices per request and position, from forward hooks on each MoE gate.
+
+    vLLM runs many requests' tokens in one forward, flattened in the order of the input batch's
+    requests; the scheduler output says how many tokens of each run, and the input batch how many
+    each had computed before, so every gate output row lands at its request's absolute position
+    (a recomputed position, after a preemption, is overwritten, not appended)."""
+
+    def __init__(self, runner: Any, gates: list[Any], top_k: int) -> None:
+        self.runner, self.top_k, self.layers = runner, top_k, len(gates)
+        self.routes: dict[str, dict[int, list[list[int]]]] = {}
+        self.sched: Any = None
+        self.step: list[Any] = []
+        for layer, gate in enumerate(gates):
+            gate.register_forward_hook(self._hook(layer))
+
+    def _hook(self, layer: int) -> Any:
+        def hook(_module: Any, _args: Any, output: Any) -> None:
+            logits = output[0] if isinstance(output, tuple) else output
+            if layer == 0:
+                self.step = []
+            self.step.append(logits.topk(self.top_k, dim=-1).indices.cpu())
+            if layer == self.layers - 1:
+                self._place()
+
+        return hook
+
+    def _place(self) -> None:
+        sched, batch = self.sched, self.runner.input_batch
+        if sched is None or len(self.step) != self.layers:
+            return  # a warm-up or profiling forward
+        row = 0
+        for idx, req in enumerate(batch.req_ids):
+            count = sched.num_scheduled_tokens.get(req) if req is not None else None
+            if not count:
+                continue
+            start = int(batch.num_computed_tokens_cpu[idx])
+            per_pos = self.routes.setdefault(req, {})
+            for j in range(count):
+                if row + j >= self.step[0].shape[0]:
+                    return
+                per_pos[start + j] = [self.step[layer][row + j].tolist() for layer in range(self.layers)]
+            row += count
+
+
+class RoutingExtension(WorkerExtension):
+    """WorkerExtension plus Router Replay traces: ``jetrl_take_routes(tag)``."""
+
+    _jetrl_routes: _RouteLog | None = None
+
+    def _jetrl_route_log(self) -> _RouteLog:
+        if self._jetrl_routes is None:
+            model = self.model_runner.get_model()
+            gates = [m for name, m in model.named_modules() if name.endswith("mlp.gate")]
+            top_k = int(model.config.num_experts_per_tok)
+            log = self._jetrl_routes = _RouteLog(self.model_runner, gates, top_k)
+            execute = self.model_runner.execute_model
+
+            def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+                log.sched = scheduler_output
+                try:
+                    return execute(scheduler_output, *args, **kwargs)
+                finally:
+                    log.sched = None
+
+            self.model_runner.execute_model = execute_model
+        return self._jetrl_routes
+
+    def jetrl_start_routes(self) -> int:
+        return self._jetrl_route_log().layers
+
+    def jetrl_take_routes(self, tag: str) -> dict[str, list[list[list[int]]]]:
+        """The routes of every request whose id holds ``tag``, by position, and forget them."""
+        log = self._jetrl_route_log()
+        out = {}
+        for req in [r for r in log.routes if tag in r]:
+            per_pos = log.routes.pop(req)
+            out[req] = [per_pos.get(i, []) for i in range(max(per_pos, default=-1) + 1)]
+        return out
