@@ -45,7 +45,7 @@ from jetrl.bus.server import EmbeddedServer
 from jetrl.bus.streams import GiB, StreamLimits
 from jetrl.consumers.inference.engine import GroupRequest
 from jetrl.consumers.inference.settings import InferencePart, InferenceSettings, VLLMSettings
-from jetrl.consumers.inference.vllm_engine import VLLMEngine, VLLMError, vllm_python
+from jetrl.consumers.inference.vllm_engine import VLLMEngine, vllm_available, vllm_python
 from jetrl.consumers.inference.worker import InferenceWorker
 from jetrl.deploy.tiny_hf_cmd import make_checkpoint
 from jetrl.policy.hf import read_config
@@ -157,10 +157,7 @@ async def through_worker(
 
 
 async def amain(args: argparse.Namespace) -> int:
-    try:
-        have_vllm = vllm_python(VLLMSettings()).exists()
-    except VLLMError:
-        have_vllm = False
+    have_vllm = vllm_available()
     with tempfile.TemporaryDirectory(prefix="jetrl-bench-inference-") as tmp:
         ckpt = make_checkpoint(Path(tmp) / "ckpt", "moe", seed=0)
         tok = HFTokenizer(ckpt)

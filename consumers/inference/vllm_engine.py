@@ -82,6 +82,14 @@ def vllm_python(s: VLLMSettings) -> Path:
     )
 
 
+def vllm_available(s: VLLMSettings | None = None) -> bool:
+    """Whether a vLLM environment is there to run (tests and benches skip without one)."""
+    try:
+        return vllm_python(s or VLLMSettings()).exists()
+    except VLLMError:
+        return False
+
+
 def server_command(part: InferencePart, port: int, seed: int, *, capture: bool = False) -> list[str]:
     s, v = part.inference, part.inference.vllm
     assert part.model.hf_path

@@ -15,7 +15,7 @@ from jetrl.bus.client import Bus
 from jetrl.bus.payloads import Payloads
 from jetrl.consumers.inference.engine import GroupRequest, Sample
 from jetrl.consumers.inference.settings import InferencePart, InferenceSettings, VLLMSettings
-from jetrl.consumers.inference.vllm_engine import VLLMEngine, VLLMError, vllm_python
+from jetrl.consumers.inference.vllm_engine import VLLMEngine, vllm_available
 from jetrl.deploy.tiny_hf_cmd import make_checkpoint
 from jetrl.policy.hf import read_config
 from jetrl.policy.hf_tokenizer import HFTokenizer
@@ -23,13 +23,9 @@ from jetrl.policy.origin import initial_model
 from jetrl.policy.settings import ModelSettings
 from jetrl.policy.weights import ChecksumMismatch, weights_to_bytes
 
-try:
-    HAVE_VLLM = vllm_python(VLLMSettings()).exists()
-except VLLMError:
-    HAVE_VLLM = False
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not HAVE_VLLM, reason="no vLLM environment (make vllm-venv)"),
+    pytest.mark.skipif(not vllm_available(), reason="no vLLM environment (make vllm-venv)"),
 ]
 
 # fp32 on both sides; vLLM's CPU kernels sum in other orders than torch's.

@@ -15,22 +15,17 @@ import pytest
 
 from jetrl.bus import events as ev
 from jetrl.bus.server import EmbeddedServer
-from jetrl.consumers.inference.settings import VLLMSettings
-from jetrl.consumers.inference.vllm_engine import VLLMError, vllm_python
+from jetrl.consumers.inference.vllm_engine import vllm_available
 from jetrl.deploy.config import load_config
 from jetrl.deploy.replay_cmd import replay
 from jetrl.deploy.supervisor import Supervisor
 from jetrl.deploy.tiny_hf_cmd import make_checkpoint, warm_start
 from tests.support.runlog import bodies, read_log
 
-try:
-    HAVE_VLLM = vllm_python(VLLMSettings()).exists()
-except VLLMError:
-    HAVE_VLLM = False
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.fault,
-    pytest.mark.skipif(not HAVE_VLLM, reason="no vLLM environment (make vllm-venv)"),
+    pytest.mark.skipif(not vllm_available(), reason="no vLLM environment (make vllm-venv)"),
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
