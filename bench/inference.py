@@ -15,9 +15,10 @@ tokens at most (stopping on the tokenizer's stop ids, as the worker does), tempe
 * jetrl + embedded: the same through the worker with the embedded engine.
 
 Each side gets an untimed warm-up task first (server start-up and first-call costs are not
-timed). Needs the vLLM environment (``make vllm-venv``); without it the vLLM sides are skipped.
+timed), then ``--rounds`` timed rounds on one server; medians are compared. Needs the vLLM
+environment (``make vllm-venv``); without it the vLLM sides are skipped.
 
-    python bench/inference.py [--tasks 64] [--n 4] [--max-tokens 128]
+    python bench/inference.py [--tasks 64] [--n 4] [--max-tokens 128] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import argparse
 import asyncio
+import statistics
 import tempfile
 import time
 import uuid
@@ -76,24 +78,29 @@ def part_for(ckpt: Path, engine: str, batch: int) -> InferencePart:
     )
 
 
+Rounds = list[tuple[int, float]]  # (tokens, seconds) per round
+
+
 async def bare_vllm(
-    ckpt: Path, prompts: list[list[int]], n: int, max_tokens: int, stops: tuple[int, ...]
-) -> tuple[int, float]:
+    ckpt: Path, prompts: list[list[int]], n: int, max_tokens: int, stops: tuple[int, ...], rounds: int
+) -> Rounds:
     engine = VLLMEngine(part_for(ckpt, "vllm", len(prompts)), "bench-bare")
+    out: Rounds = []
     try:
         groups = [GroupRequest(p, n, max_tokens, 1.0, 1.0, stops) for p in prompts]
         await engine.generate(groups[:1])  # warm-up: start-up and first call
-        t0 = time.perf_counter()
-        out = await engine.generate(groups)
-        took = time.perf_counter() - t0
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            got = await engine.generate(groups)
+            out.append((sum(len(s.completion_tokens) for g in got for s in g), time.perf_counter() - t0))
     finally:
         await engine.close()
-    return sum(len(s.completion_tokens) for g in out for s in g), took
+    return out
 
 
 async def through_worker(
-    url: str, ckpt: Path, engine: str, prompts: list[list[int]], n: int, max_tokens: int
-) -> tuple[int, float]:
+    url: str, ckpt: Path, engine: str, prompts: list[list[int]], n: int, max_tokens: int, rounds: int
+) -> Rounds:
     run_id = f"inf{uuid.uuid4().hex[:8]}"
     bus = await Bus.connect(url, name="bench")
     await bus.ensure_run(run_id, LIMITS)
@@ -138,22 +145,24 @@ async def through_worker(
         head = await bus.last_seq(run_id)
         await submit("warm", prompts[:1], 0)
         _, head = await asyncio.wait_for(completions(n, "warm", head + 1), 900)
-        # The tasks wait for version 1, so they are all queued, as a producer keeps its window
-        # of tasks queued ahead in a run; the clock starts when version 1 (the same weights) is
-        # announced, and includes the worker loading it.
-        await submit("t", prompts, 1)
-        await asyncio.sleep(1.0)
-        ref1 = await payloads.default.put("weights-v1", data)
-        ready1 = ev.WeightsReady(version=1, location=ref1, weights_checksum=digest)
-        t0 = time.perf_counter()
-        await bus.publish(ev.new_event(ready1, run_id=run_id))
-        tokens, _ = await asyncio.wait_for(completions(n * len(prompts), "t", head + 1), 900)
-        took = time.perf_counter() - t0
+        out: Rounds = []
+        for v in range(1, rounds + 1):
+            # The tasks wait for version v, so they are all queued, as a producer keeps its
+            # window of tasks queued ahead in a run; the clock starts when version v (the same
+            # weights) is announced, and includes the worker loading it.
+            await submit(f"r{v}t", prompts, v)
+            await asyncio.sleep(1.0)
+            ref = await payloads.default.put(f"weights-v{v}", data)
+            ready = ev.WeightsReady(version=v, location=ref, weights_checksum=digest)
+            t0 = time.perf_counter()
+            await bus.publish(ev.new_event(ready, run_id=run_id))
+            tokens, head = await asyncio.wait_for(completions(n * len(prompts), f"r{v}t", head + 1), 900)
+            out.append((tokens, time.perf_counter() - t0))
     finally:
         stop.set()
         await asyncio.wait_for(running, 120)
         await bus.close()
-    return tokens, took
+    return out
 
 
 async def amain(args: argparse.Namespace) -> int:
@@ -173,28 +182,20 @@ async def amain(args: argparse.Namespace) -> int:
         )
         rates: dict[str, float] = {}
         with EmbeddedServer(Path(tmp) / "nats") as srv:
-            Side = Callable[[], Awaitable[tuple[int, float]]]
-            sides: list[tuple[str, Side]] = []
+            r, a = args.rounds, (prompts, args.n, args.max_tokens)
+            sides: list[tuple[str, Callable[[], Awaitable[Rounds]]]] = []
             if have_vllm:
-                sides.append(
-                    ("bare vLLM", lambda: bare_vllm(ckpt, prompts, args.n, args.max_tokens, tok.stop_ids))
-                )
-                sides.append(
-                    (
-                        "jetrl + vLLM",
-                        lambda: through_worker(srv.url, ckpt, "vllm", prompts, args.n, args.max_tokens),
-                    )
-                )
-            sides.append(
-                (
-                    "jetrl + embedded",
-                    lambda: through_worker(srv.url, ckpt, "titan", prompts, args.n, args.max_tokens),
-                )
-            )
+                sides.append(("bare vLLM", lambda: bare_vllm(ckpt, *a, tok.stop_ids, r)))
+                sides.append(("jetrl + vLLM", lambda: through_worker(srv.url, ckpt, "vllm", *a, r)))
+            sides.append(("jetrl + embedded", lambda: through_worker(srv.url, ckpt, "titan", *a, r)))
             for name, side in sides:
-                tokens, took = await side()
-                rates[name] = tokens / took if took > 0 else 0.0
-                print(f"{name:<18} {tokens:>7} tokens in {took:7.2f} s = {rates[name]:9,.0f} tokens/s")
+                runs = await side()
+                each = [t / s if s > 0 else 0.0 for t, s in runs]
+                rates[name] = statistics.median(each)
+                shown = ", ".join(f"{x:,.0f}" for x in each)
+                print(
+                    f"{name:<18} median {rates[name]:9,.0f} tokens/s (rounds: {shown}; ~{runs[0][0]} tokens)"
+                )
     print()
     if have_vllm and rates.get("bare vLLM"):
         vllm, bare, embedded = rates["jetrl + vLLM"], rates["bare vLLM"], rates["jetrl + embedded"]
@@ -210,9 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tasks", type=int, default=64)
     p.add_argument("--n", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds per side (one server each)")
     args = p.parse_args(argv)
-    if min(args.tasks, args.n, args.max_tokens) < 1:
-        p.error("--tasks, --n and --max-tokens must be positive")
+    if min(args.tasks, args.n, args.max_tokens, args.rounds) < 1:
+        p.error("--tasks, --n, --max-tokens and --rounds must be positive")
     configure("warning")
     return asyncio.run(amain(args))
 

@@ -7,7 +7,9 @@ Replay trace (``[prompt + completion - 1, moe_layers, top_k]``, uint8, uint16 pa
 It loads the weights a WeightsReady names (checksum-verified) and says which version it holds.
 The worker owns everything else: tasks, leases, events, payloads. ``[inference] engine`` names
 one: a built-in of :data:`ENGINES`, or any ``package.module:attr`` (a class or factory taking
-the worker's :class:`InferencePart` and worker id). Torch-free.
+the worker's :class:`InferencePart` and worker id). An engine that batches continuously may say
+``batches_in_flight = N``: the worker then hands it up to N batches at once (never across a
+weights load). Torch-free.
 """
 
 from __future__ import annotations

@@ -14,8 +14,9 @@ is a child's exit, not the worker's. The server is reached on loopback only.
   token's logprob under the distribution it was drawn from (``--logprobs-mode
   processed_logprobs``: after temperature and top-p, as the embedded engine reports; 0 at
   temperature 0), and the finish reason.
-* **Weights.** The worker loads a WeightsReady between batches, so requests in flight always
-  finish on the version they started on. The bytes are checksum-verified here (canonical
+* **Weights.** The worker hands the engine up to ``batches_in_flight`` batches at once and loads a
+  WeightsReady only when none is in flight, so requests always finish on the version they
+  started on (none is aborted). The bytes are checksum-verified here (canonical
   tensors), written as one Hugging Face layout safetensors file (as they came when the trainer
   publishes ``weights_layout = "hf"``) and loaded in place through the server's
   ``/collective_rpc`` by jetrl's worker extension (``vllm_ext/jetrl_vllm_ext.py``).
@@ -27,18 +28,19 @@ is a child's exit, not the worker's. The server is reached on loopback only.
   has no routes. ``[inference.vllm] capture_routing = false`` keeps the cache and sends no traces
   (then the trainer needs ``replay = false``).
 
-The server prints to ``vllm.log`` in the engine's scratch directory; its tail is in any error.
+The server runs under ``vllm_ext/jetrl_vllm_reaper.py``, which takes its whole process group
+(vLLM's engine core and workers) down when the engine closes, when the worker dies (even
+SIGKILLed) or when the server exits. It prints to ``vllm.log`` in the engine's scratch directory;
+its tail is in any error.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import dataclasses
 import os
 import random
-import signal
 import subprocess
 import tempfile
 import time
@@ -60,7 +62,9 @@ from jetrl.consumers.inference.settings import InferencePart, VLLMSettings
 EXTENSION_DIR = Path(__file__).resolve().parent / "vllm_ext"
 EXTENSION = "jetrl_vllm_ext.RoutingExtension"
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
-_PR_SET_PDEATHSIG = 1
+# Runs the server in a process group of its own and takes the group (vLLM's engine core and
+# workers included) down when told to, when the worker dies (even SIGKILLed), or when it exits.
+REAPER = EXTENSION_DIR / "jetrl_vllm_reaper.py"
 
 
 class VLLMError(RuntimeError):
@@ -133,14 +137,11 @@ def server_command(part: InferencePart, port: int, seed: int, *, capture: bool =
     return cmd + list(v.extra_args)
 
 
-def _die_with_parent() -> None:
-    # The server must not outlive a worker that is SIGKILLed (Linux: the kernel signals it).
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    os.setsid()
-
-
 class VLLMEngine:
+    # The worker hands it this many batches at once: vLLM batches continuously, so a batch that
+    # arrives while another generates joins it instead of waiting for it to end.
+    batches_in_flight = 4
+
     def __init__(self, part: InferencePart, worker_id: str) -> None:
         if not part.model.hf_path:
             raise VLLMError("the vLLM engine serves a Hugging Face checkpoint: set [model] hf_path")
@@ -169,7 +170,7 @@ class VLLMEngine:
         self.log.info("vllm_starting", cmd=" ".join(cmd), log=str(self.log_path))
         self._log_file = self.log_path.open("wb")
         self.proc = subprocess.Popen(
-            cmd, env=env, stdout=self._log_file, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+            [cmd[0], str(REAPER), *cmd], env=env, stdout=self._log_file, stderr=subprocess.STDOUT
         )
         self._session: aiohttp.ClientSession | None = None
         self._starting = asyncio.Lock()
@@ -329,13 +330,11 @@ class VLLMEngine:
         if self._session is not None:
             await self._session.close()
         if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.terminate()  # the reaper stops the server's whole process group
             try:
                 await asyncio.to_thread(self.proc.wait, 30)
             except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.kill()
                 await asyncio.to_thread(self.proc.wait)
         self._log_file.close()
 
@@ -343,4 +342,4 @@ class VLLMEngine:
         proc = getattr(self, "proc", None)
         if proc is not None and proc.poll() is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
+                proc.terminate()

@@ -43,13 +43,23 @@ class InferenceWorker:
         self.latest: ev.WeightsReady | None = None
         self.new_weights = asyncio.Event()
         self.payloads: Payloads | None = None
-        self.busy = False
+        # Engines that batch continuously (vLLM) take several batches at once; weights are only
+        # loaded when none is in flight, so a batch generates under one version.
+        self.batches_in_flight = max(1, int(getattr(self.engine, "batches_in_flight", 1)))
+        self.generating = 0
+        self.quiet = asyncio.Event()
+        self.quiet.set()
+        self.gate = asyncio.Lock()  # held by a load, and briefly by a batch that starts
         self.stats = {"tasks": 0, "samples": 0, "tokens": 0, "generate_s": 0.0, "weight_loads": 0}
         self.log = get_logger(__name__, run_id=run_id, worker_id=worker_id)
 
     @property
     def loaded_version(self) -> int | None:
         return self.engine.loaded_version
+
+    @property
+    def busy(self) -> bool:
+        return self.generating > 0
 
     # ---------------------------------------------------------------- weights
 
@@ -65,10 +75,19 @@ class InferenceWorker:
                 self.new_weights.set()
 
     async def load_latest(self) -> None:
-        ready = self.latest
-        if ready is None or (self.loaded_version is not None and ready.version <= self.loaded_version):
+        if self._is_current():
             return
-        assert self.payloads is not None
+        async with self.gate:
+            await self.quiet.wait()  # batches in flight finish on the version they started on
+            if not self._is_current():
+                await self._load(self.latest)
+
+    def _is_current(self) -> bool:
+        ready = self.latest
+        return ready is None or (self.loaded_version is not None and ready.version <= self.loaded_version)
+
+    async def _load(self, ready: ev.WeightsReady | None) -> None:
+        assert self.payloads is not None and ready is not None
         t0 = time.perf_counter()
         await self.engine.load_weights(ready, self.payloads)
         self.stats["weight_loads"] += 1
@@ -110,12 +129,16 @@ class InferenceWorker:
             return
         await self.load_latest()  # between batches, take anything newer
         load_wait = time.perf_counter() - t_wait
+        async with self.gate:  # no load starts between here and the version read
+            self.generating += 1
+            self.quiet.clear()
         version = self.loaded_version or 0
-        self.busy = True
         try:
             await self._generate_and_publish(tasks, version, load_wait)
         finally:
-            self.busy = False
+            self.generating -= 1
+            if not self.generating:
+                self.quiet.set()
         for d in deliveries:
             await d.ack()
 
@@ -240,6 +263,8 @@ class InferenceWorker:
             "inference_worker_started", precision=self.s.precision, pid=os.getpid(), host=socket.gethostname()
         )
 
+        in_flight: set[asyncio.Task[None]] = set()
+
         async def generate(got: Batch[ev.TaskSubmitted]) -> None:
             good = []
             for d in got.deliveries:
@@ -247,8 +272,25 @@ class InferenceWorker:
                     await consumer.dead_letter(d, "invalid", f"task {d.body.task_id}: group_size < 1")
                 else:
                     good.append(d)
-            if good:  # a failed batch is retried (or parked after max_deliver) by the loop
+            if not good:
+                return
+            if self.batches_in_flight == 1:  # a failed batch is retried (or parked) by the loop
                 await self.handle_batch(good, stop)
+                return
+            while len(in_flight) >= self.batches_in_flight:
+                await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+            task = asyncio.create_task(in_background(good))
+            in_flight.add(task)
+            task.add_done_callback(in_flight.discard)
+
+        async def in_background(good: list[Delivery[ev.TaskSubmitted]]) -> None:
+            try:
+                await self.handle_batch(good, stop)
+            except Exception as exc:  # as the loop settles a failed batch
+                self.log.exception("batch_failed", events=len(good))
+                for d in good:
+                    if not d.settled:
+                        await consumer.settle_failure(d, exc)
 
         async def take_new_weights() -> bool:
             if self.new_weights.is_set():
@@ -261,6 +303,8 @@ class InferenceWorker:
                 generate, batch=self.s.max_batch_tasks, fetch_timeout=0.5, stop=stop, after=take_new_weights
             )
         finally:
+            if in_flight:
+                await asyncio.gather(*in_flight, return_exceptions=True)
             watcher.cancel()
             stop.set()
             with contextlib.suppress(asyncio.CancelledError, Exception):

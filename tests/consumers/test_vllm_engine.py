@@ -22,6 +22,7 @@ from jetrl.policy.hf_tokenizer import HFTokenizer
 from jetrl.policy.origin import initial_model
 from jetrl.policy.settings import ModelSettings
 from jetrl.policy.weights import ChecksumMismatch, weights_to_bytes
+from tests.support.processes import vllm_processes
 
 pytestmark = [
     pytest.mark.slow,
@@ -46,10 +47,12 @@ async def engine(ckpt: Path) -> AsyncIterator[VLLMEngine]:
         inference=InferenceSettings(engine="vllm", precision="fp32", vllm=settings),
         model=ModelSettings(hf_path=str(ckpt)),
     )
+    assert not vllm_processes(), "vLLM processes left from before"
     e = VLLMEngine(part, "test-worker")
     yield e
     await e.close()
     assert e.proc.returncode is not None
+    assert not vllm_processes(), "vLLM processes outlived the engine"
 
 
 def _prompts(ckpt: Path) -> list[list[int]]:

@@ -1,8 +1,8 @@
 """`jetrl run` with `[inference] engine = "vllm"`: the tiny Hugging Face checkpoint through every
 process, the inference worker driving a real vLLM server (CPU build) as its child, with Router
-Replay on the traces vLLM's gates recorded. The worker is
-SIGKILLed once mid-run: its vLLM server goes with it, the supervisor restarts the worker (and so a
-new server), and nothing is lost or trained twice; replay verifies every step."""
+Replay on the traces vLLM's gates recorded. The worker is SIGKILLed once mid-run: its vLLM
+server, engine core and workers go with it, the supervisor restarts the worker (and so a new
+server), and nothing is lost or trained twice; replay verifies every step."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from jetrl.deploy.config import load_config
 from jetrl.deploy.replay_cmd import replay
 from jetrl.deploy.supervisor import Supervisor
 from jetrl.deploy.tiny_hf_cmd import make_checkpoint, warm_start
+from tests.support.processes import vllm_processes
 from tests.support.runlog import bodies, read_log
 
 pytestmark = [
@@ -30,20 +31,6 @@ pytestmark = [
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 6
-
-
-def _servers_of(ckpt: Path) -> list[int]:
-    """Pids of live processes whose command line names the checkpoint (vLLM servers)."""
-    out = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ")
-            except OSError:
-                continue
-            if b"vllm.entrypoints" in cmd and str(ckpt).encode() in cmd:
-                out.append(int(proc.name))
-    return out
 
 
 async def test_vllm_run_survives_its_worker_killed(tmp_path: Path) -> None:
@@ -77,12 +64,15 @@ async def test_vllm_run_survives_its_worker_killed(tmp_path: Path) -> None:
         await asyncio.sleep(0.1)
     worker = next(p for p in sup.parts if p.name == "inference-0")
     assert worker.proc is not None and worker.proc.poll() is None
-    assert _servers_of(ckpt), "the worker runs no vLLM server"
+    assert vllm_processes(), "the worker runs no vLLM server"
     worker.proc.send_signal(signal.SIGKILL)
     assert await asyncio.wait_for(run, 400) == 0
     assert worker.restarts == 1
-    await asyncio.sleep(1.0)
-    assert not _servers_of(ckpt), "a vLLM server outlived its worker"
+    for _ in range(100):  # the reaper takes the server's whole process group down
+        if not vllm_processes():
+            break
+        await asyncio.sleep(0.2)
+    assert not vllm_processes(), "vLLM processes outlived their worker"
 
     with EmbeddedServer(tmp_path / run_id / "nats") as srv:
         log = await read_log(srv.url, run_id)
