@@ -47,3 +47,36 @@ class OracleEngine:
 
     async def close(self) -> None:
         pass
+
+
+class ConcurrentOracleEngine(OracleEngine):
+    """The oracle, slowed down and taking several batches at once (as vLLM does), recording what
+    the worker asks of it: how many batches were in flight together, and whether weights were
+    ever loaded while one was."""
+
+    batches_in_flight = 3
+
+    def __init__(self, part: InferencePart, worker_id: str) -> None:
+        super().__init__(part, worker_id)
+        self.active = 0
+        self.most_active = 0
+        self.loads_while_generating = 0
+        self.spans: list[tuple[int | None, int | None]] = []  # version at start, at end
+
+    async def generate(self, groups: Sequence[GroupRequest]) -> list[list[Sample]]:
+        import asyncio
+
+        self.active += 1
+        self.most_active = max(self.most_active, self.active)
+        start = self._version
+        try:
+            await asyncio.sleep(0.3)
+            return await super().generate(groups)
+        finally:
+            self.spans.append((start, self._version))
+            self.active -= 1
+
+    async def load_weights(self, ready: ev.WeightsReady, payloads: Payloads) -> None:
+        if self.active:
+            self.loads_while_generating += 1
+        await super().load_weights(ready, payloads)
