@@ -184,6 +184,9 @@ class TaskSubmitted(EventBody, frozen=True):
     min_policy_version: int = 0
     temperature: float = 1.0
     episode: EpisodeState | None = None  # later turns of a multi-turn episode
+    # Later turns: the worker that served the turn before, whose prefix cache holds the history;
+    # other workers leave the task to it for a delivery or two ([inference] affinity_deliveries).
+    worker_hint: str = ""
 
 
 class GenerationTimings(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -261,6 +261,7 @@ class EnvProducer:
             episode=episode,
             episode_id=episode.task_id,
             turn=g.turn + 1,
+            worker_hint=g.worker_id,  # its prefix cache holds this history (prefix-aware routing)
             cause=d.event,
             temperature=task.temperature,  # an episode keeps its first turn's (evaluations' own)
         )

@@ -44,6 +44,11 @@ class InferenceSettings(Section):
     threads: int = Field(1, ge=1)
     heartbeat_s: float = Field(2.0, gt=0)
     ack_wait_s: float = Field(30.0, gt=0)  # how soon tasks held by a dead worker go to another
+    # Prefix-aware routing: a later turn of an episode names the worker that served the turn
+    # before (its prefix cache holds the history); another worker hands it back (NAK) for its
+    # first this-many deliveries, then takes it (the named worker is gone or busy). 0: off.
+    affinity_deliveries: int = Field(2, ge=0, le=3)
+    affinity_delay_s: float = Field(0.05, ge=0)
 
 
 class InferencePart(Section):

@@ -50,7 +50,16 @@ class InferenceWorker:
         self.quiet = asyncio.Event()
         self.quiet.set()
         self.gate = asyncio.Lock()  # held by a load, and briefly by a batch that starts
-        self.stats = {"tasks": 0, "samples": 0, "tokens": 0, "generate_s": 0.0, "weight_loads": 0}
+        self.stats = {
+            "tasks": 0,
+            "samples": 0,
+            "tokens": 0,
+            "generate_s": 0.0,
+            "weight_loads": 0,
+            "affinity_hits": 0,  # later turns this worker served again
+            "affinity_deferred": 0,  # handed back for the worker named
+            "affinity_misses": 0,  # taken after waiting: the worker named did not
+        }
         self.log = get_logger(__name__, run_id=run_id, worker_id=worker_id)
 
     @property
@@ -118,6 +127,21 @@ class InferenceWorker:
         return True
 
     # ---------------------------------------------------------------- generation
+
+    def leave_to_its_worker(self, d: Delivery[ev.TaskSubmitted]) -> bool:
+        """Prefix-aware routing: a later turn whose previous turn another worker served goes
+        back to the queue for that worker, unless it has come round often enough already."""
+        hint = d.body.worker_hint
+        if not hint:
+            return False
+        if hint == self.worker_id:
+            self.stats["affinity_hits"] += 1
+            return False
+        if d.num_delivered <= self.s.affinity_deliveries:
+            self.stats["affinity_deferred"] += 1
+            return True
+        self.stats["affinity_misses"] += 1
+        return False
 
     async def handle_batch(self, deliveries: list[Delivery[ev.TaskSubmitted]], stop: asyncio.Event) -> None:
         tasks = [(d, d.body) for d in deliveries]
@@ -270,6 +294,8 @@ class InferenceWorker:
             for d in got.deliveries:
                 if d.body.group_size < 1:
                     await consumer.dead_letter(d, "invalid", f"task {d.body.task_id}: group_size < 1")
+                elif self.leave_to_its_worker(d):
+                    await d.nak(delay=self.s.affinity_delay_s)
                 else:
                     good.append(d)
             if not good:
