@@ -12,13 +12,18 @@ tokens at most (stopping on the tokenizer's stop ids, as the worker does), tempe
   for policy version 1), as a producer keeps its window of tasks queued ahead; the clock runs from
   version 1 (the same weights) being announced to the last GenerationCompleted in the log
   (the weights load, arrays through the claim-check, acks, everything);
-* jetrl + embedded: the same through the worker with the embedded engine.
+* jetrl + embedded: the same through the worker with the embedded engine;
+* the prefix cache: ``--episodes`` two-turn episodes over two workers with vLLM (routing capture
+  off, so vLLM's prefix cache is on), turn 2 built as the producer builds it (turn 1's prompt,
+  its completion, a tool reply); the share of turn 2's prompt tokens vLLM found cached (its
+  prefix cache works in whole blocks: 128 tokens on CPU), with turn 2 naming turn 1's worker
+  (affinity routing) and without.
 
 Each side gets an untimed warm-up task first (server start-up and first-call costs are not
 timed), then ``--rounds`` timed rounds on one server; medians are compared. Needs the vLLM
 environment (``make vllm-venv``); without it the vLLM sides are skipped.
 
-    python bench/inference.py [--tasks 64] [--n 4] [--max-tokens 128] [--rounds 3]
+    python bench/inference.py [--tasks 64] [--n 4] [--max-tokens 128] [--rounds 3] [--episodes 32]
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ from jetrl.policy.hf_tokenizer import HFTokenizer
 from jetrl.policy.origin import initial_model
 from jetrl.policy.settings import ModelSettings
 from jetrl.policy.weights import weights_to_bytes
+from jetrl.producers.tool_env import TOOL_INSTRUCTIONS
 
 LIMITS = StreamLimits(max_bytes=GiB, payload_max_bytes=GiB)
 QUESTIONS = [
@@ -165,6 +171,114 @@ async def through_worker(
     return out
 
 
+async def cached_tokens(url: str) -> float:
+    """Prompt tokens vLLM has found in its prefix cache so far, from its /metrics."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as r:
+        text = await r.text()
+    return sum(
+        float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith("vllm:prefix_cache_hits_total")
+    )
+
+
+async def prefix_hit_rates(url: str, ckpt: Path, tok: HFTokenizer, episodes: int) -> dict[str, float]:
+    """Two-turn episodes over two workers with vLLM (routing capture off, so the prefix cache is
+    on): turn 1 is turn 0's prompt, its completion and a tool reply, as the producer builds it.
+    Phase "affinity": turn 1 names turn 0's worker; phase "none": it names none. Returned: the
+    share of turn 1's prompt tokens vLLM found in a prefix cache, per phase."""
+    run_id = f"pfx{uuid.uuid4().hex[:8]}"
+    bus = await Bus.connect(url, name="bench")
+    await bus.ensure_run(run_id, LIMITS)
+    payloads = await Payloads.for_run(bus.js, run_id)
+    data, digest = weights_to_bytes(initial_model(ModelSettings(hf_path=str(ckpt))))
+    ref = await payloads.default.put("weights-v0", data)
+    await bus.publish(
+        ev.new_event(ev.WeightsReady(version=0, location=ref, weights_checksum=digest), run_id=run_id)
+    )
+    part = part_for(ckpt, "vllm", 8)
+    part = part.model_copy(
+        update={
+            "inference": part.inference.model_copy(
+                update={"vllm": vllm_settings().model_copy(update={"capture_routing": False})}
+            )
+        }
+    )
+    workers = [InferenceWorker(bus, run_id, f"pfx-{i}", part) for i in range(2)]
+    stop = asyncio.Event()
+    running = [asyncio.create_task(w.run(stop)) for w in workers]
+    head = 0
+
+    async def turn(tasks: list[ev.TaskSubmitted]) -> dict[str, ev.GenerationCompleted]:
+        nonlocal head
+        for t in tasks:
+            await bus.publish(ev.new_event(t, run_id=run_id))
+        got: dict[str, ev.GenerationCompleted] = {}
+        async for item in bus.tail(
+            run_id, from_seq=head + 1, filter_subject=subjects.generation_subject(run_id)
+        ):
+            done = item.event.body if item.event else None
+            if isinstance(done, ev.GenerationCompleted) and done.task_id in {t.task_id for t in tasks}:
+                got[done.task_id] = done
+                head = item.seq
+                if len(got) == len(tasks):
+                    return got
+        raise RuntimeError("the log ended")
+
+    def conversation(phase: str, i: int) -> list[dict[str, str]]:
+        # The calculator environment's opening (its system message is most of the prompt); the
+        # phase and number make each episode's own turn differ from every other's.
+        return [
+            {"role": "system", "content": TOOL_INSTRUCTIONS["words"]},
+            {"role": "user", "content": f"({phase} {i}) {QUESTIONS[i % len(QUESTIONS)]} " * 3},
+        ]
+
+    rates: dict[str, float] = {}
+    try:
+        for phase in ("affinity", "none"):
+            first = [
+                ev.TaskSubmitted(
+                    task_id=f"pfx.default.{phase}{i}",
+                    env="pfx",
+                    group_size=1,
+                    prompt_tokens=tok.encode(tok.render_chat(conversation(phase, i)), bos=False),
+                    max_tokens=48,
+                )
+                for i in range(episodes)
+            ]
+            done = await turn(first)
+            second = []
+            for t in first:
+                g = done[t.task_id]
+                completion = (await payloads.get_array(g.completion_tokens)).astype(int).tolist()
+                prompt = [*t.prompt_tokens, *completion]
+                if completion and completion[-1] not in tok.stop_ids:
+                    prompt.append(tok.eos_id)
+                prompt += tok.encode_reply("42", role="tool")
+                hint = g.worker_id if phase == "affinity" else ""
+                second.append(
+                    ev.TaskSubmitted(
+                        task_id=f"{t.task_id}-1",
+                        env="pfx",
+                        group_size=1,
+                        prompt_tokens=prompt,
+                        max_tokens=8,
+                        turn=1,
+                        worker_hint=hint,
+                    )
+                )
+            urls = [w.engine.url for w in workers]  # type: ignore[attr-defined]
+            before = sum([await cached_tokens(u) for u in urls])
+            await turn(second)
+            hits = sum([await cached_tokens(u) for u in urls]) - before
+            rates[phase] = hits / sum(len(t.prompt_tokens) for t in second)
+    finally:
+        stop.set()
+        await asyncio.gather(*running, return_exceptions=True)
+        await bus.close()
+    return rates
+
+
 async def amain(args: argparse.Namespace) -> int:
     have_vllm = vllm_available()
     with tempfile.TemporaryDirectory(prefix="jetrl-bench-inference-") as tmp:
@@ -196,7 +310,17 @@ async def amain(args: argparse.Namespace) -> int:
                 print(
                     f"{name:<18} median {rates[name]:9,.0f} tokens/s (rounds: {shown}; ~{runs[0][0]} tokens)"
                 )
+            hit: dict[str, float] = {}
+            if have_vllm and args.episodes:
+                hit = await prefix_hit_rates(srv.url, ckpt, tok, args.episodes)
+                print(
+                    f"prefix cache, turn 2 of {args.episodes} two-turn episodes over 2 vLLM workers: "
+                    f"{hit['affinity']:.1%} of prompt tokens found with affinity routing, "
+                    f"{hit['none']:.1%} without"
+                )
     print()
+    if hit:
+        print(f"prefix-cache hit rate with/without affinity {hit['affinity']:.2f}/{hit['none']:.2f}")
     if have_vllm and rates.get("bare vLLM"):
         vllm, bare, embedded = rates["jetrl + vLLM"], rates["bare vLLM"], rates["jetrl + embedded"]
         print(f"inference ratio jetrl+vLLM/bare vLLM {vllm / bare:.2f} (target >= 0.9)")
@@ -212,8 +336,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3, help="timed rounds per side (one server each)")
+    p.add_argument(
+        "--episodes", type=int, default=32, help="two-turn episodes of the prefix-cache part (0: skip)"
+    )
     args = p.parse_args(argv)
-    if min(args.tasks, args.n, args.max_tokens, args.rounds) < 1:
+    if args.episodes < 0 or min(args.tasks, args.n, args.max_tokens, args.rounds) < 1:
         p.error("--tasks, --n, --max-tokens and --rounds must be positive")
     configure("warning")
     return asyncio.run(amain(args))

@@ -121,7 +121,6 @@ def server_command(part: InferencePart, port: int, seed: int, *, capture: bool =
         "processed_logprobs",
         "--worker-extension-cls",
         EXTENSION,
-        "--disable-log-stats",
     ]
     if v.max_model_len:
         cmd += ["--max-model-len", str(v.max_model_len)]
