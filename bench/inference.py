@@ -71,17 +71,35 @@ QUESTIONS = [
 ]
 
 
-def vllm_settings() -> VLLMSettings:
-    return VLLMSettings(gpu_memory_utilization=0.1, max_model_len=1024, enforce_eager=True, max_num_seqs=256)
-
-
-def part_for(ckpt: Path, engine: str, batch: int) -> InferencePart:
+def part_for(ckpt: Path, engine: str, batch: int, *, capture_routing: bool = True) -> InferencePart:
+    vllm = VLLMSettings(
+        gpu_memory_utilization=0.1,
+        max_model_len=1024,
+        enforce_eager=True,
+        max_num_seqs=256,
+        capture_routing=capture_routing,
+    )
     return InferencePart(
-        inference=InferenceSettings(
-            engine=engine, precision="fp32", max_batch_tasks=batch, vllm=vllm_settings()
-        ),
+        inference=InferenceSettings(engine=engine, precision="fp32", max_batch_tasks=batch, vllm=vllm),
         model=ModelSettings(hf_path=str(ckpt)),
     )
+
+
+async def open_run(url: str, ckpt: Path, prefix: str) -> tuple[Bus, str, Payloads, bytes, str]:
+    """A run on the bench's nats-server with the checkpoint's weights announced as version 0 (in
+    Hugging Face layout, as a trainer with weights_layout = "hf" publishes them); the bytes and
+    their checksum, for announcing them again."""
+    run_id = f"{prefix}{uuid.uuid4().hex[:8]}"
+    bus = await Bus.connect(url, name="bench")
+    await bus.ensure_run(run_id, LIMITS)
+    payloads = await Payloads.for_run(bus.js, run_id)
+    model = initial_model(ModelSettings(hf_path=str(ckpt)))
+    data, digest = weights_to_bytes(model, hf_config=read_config(ckpt))
+    ref = await payloads.default.put("weights-v0", data)
+    await bus.publish(
+        ev.new_event(ev.WeightsReady(version=0, location=ref, weights_checksum=digest), run_id=run_id)
+    )
+    return bus, run_id, payloads, data, digest
 
 
 Rounds = list[tuple[int, float]]  # (tokens, seconds) per round
@@ -107,16 +125,7 @@ async def bare_vllm(
 async def through_worker(
     url: str, ckpt: Path, engine: str, prompts: list[list[int]], n: int, max_tokens: int, rounds: int
 ) -> Rounds:
-    run_id = f"inf{uuid.uuid4().hex[:8]}"
-    bus = await Bus.connect(url, name="bench")
-    await bus.ensure_run(run_id, LIMITS)
-    payloads = await Payloads.for_run(bus.js, run_id)
-    cfg = read_config(ckpt)
-    data, digest = weights_to_bytes(initial_model(ModelSettings(hf_path=str(ckpt))), hf_config=cfg)
-    ref = await payloads.default.put("weights-v0", data)
-    await bus.publish(
-        ev.new_event(ev.WeightsReady(version=0, location=ref, weights_checksum=digest), run_id=run_id)
-    )
+    bus, run_id, payloads, data, digest = await open_run(url, ckpt, "inf")
     worker = InferenceWorker(bus, run_id, f"bench-{engine}", part_for(ckpt, engine, len(prompts)))
     stop = asyncio.Event()
     running = asyncio.create_task(worker.run(stop))
@@ -187,23 +196,8 @@ async def prefix_hit_rates(url: str, ckpt: Path, tok: HFTokenizer, episodes: int
     on): turn 1 is turn 0's prompt, its completion and a tool reply, as the producer builds it.
     Phase "affinity": turn 1 names turn 0's worker; phase "none": it names none. Returned: the
     share of turn 1's prompt tokens vLLM found in a prefix cache, per phase."""
-    run_id = f"pfx{uuid.uuid4().hex[:8]}"
-    bus = await Bus.connect(url, name="bench")
-    await bus.ensure_run(run_id, LIMITS)
-    payloads = await Payloads.for_run(bus.js, run_id)
-    data, digest = weights_to_bytes(initial_model(ModelSettings(hf_path=str(ckpt))))
-    ref = await payloads.default.put("weights-v0", data)
-    await bus.publish(
-        ev.new_event(ev.WeightsReady(version=0, location=ref, weights_checksum=digest), run_id=run_id)
-    )
-    part = part_for(ckpt, "vllm", 8)
-    part = part.model_copy(
-        update={
-            "inference": part.inference.model_copy(
-                update={"vllm": vllm_settings().model_copy(update={"capture_routing": False})}
-            )
-        }
-    )
+    bus, run_id, payloads, _, _ = await open_run(url, ckpt, "pfx")
+    part = part_for(ckpt, "vllm", 8, capture_routing=False)
     workers = [InferenceWorker(bus, run_id, f"pfx-{i}", part) for i in range(2)]
     stop = asyncio.Event()
     running = [asyncio.create_task(w.run(stop)) for w in workers]

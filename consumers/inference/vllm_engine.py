@@ -207,7 +207,9 @@ class VLLMEngine:
                     if r.status == 200:
                         self._ready = True
                         if self.capture:
-                            await self._start_routes()
+                            await self._send(
+                                self._session, "/collective_rpc", {"method": "jetrl_start_routes"}
+                            )
                         self.log.info("vllm_ready", startup_s=round(time.monotonic() - t0, 1))
                         return
             await asyncio.sleep(0.5)
@@ -216,19 +218,13 @@ class VLLMEngine:
         )
 
     async def _post(self, path: str, body: dict[str, Any]) -> Any:
-        session = await self._client()
+        return await self._send(await self._client(), path, body)
+
+    async def _send(self, session: aiohttp.ClientSession, path: str, body: dict[str, Any]) -> Any:
         async with session.post(f"{self.url}{path}", json=body) as r:
             if r.status != 200:
                 raise VLLMError(f"vLLM {path} answered {r.status}: {(await r.text())[:2000]}")
             return await r.json()
-
-    async def _start_routes(self) -> None:
-        assert self._session is not None
-        async with self._session.post(
-            f"{self.url}/collective_rpc", json={"method": "jetrl_start_routes"}
-        ) as r:
-            if r.status != 200:
-                raise VLLMError(f"vLLM could not start capturing routes: {(await r.text())[:2000]}")
 
     async def rpc(self, method: str, *args: Any) -> list[Any]:
         """A call of jetrl's worker extension on every vLLM worker; their answers."""
@@ -286,8 +282,11 @@ class VLLMEngine:
         if len(rows) != want or any(not r for r in rows):
             got = sum(bool(r) for r in rows)
             raise VLLMError(f"sample {index} of {tag}: routes for {got} positions, not {want}")
-        dtype = np.uint8 if self.mcfg.num_experts <= 256 else np.uint16
-        return np.asarray(rows, dtype=dtype)
+        import torch
+
+        from jetrl.policy.routing import trace_dtype
+
+        return torch.tensor(rows, dtype=trace_dtype(self.mcfg.num_experts)).numpy()
 
     def _sample(self, choice: dict[str, Any], g: GroupRequest) -> Sample:
         ids = [int(t) for t in choice.get("token_ids") or []]
