@@ -62,6 +62,9 @@ class _RouteLog:
         sched, batch = self.sched, self.runner.input_batch
         if sched is None or len(self.step) != self.layers:
             return  # a warm-up or profiling forward
+        import torch
+
+        chosen = torch.stack(self.step, dim=1)  # [tokens, layers, top_k]
         row = 0
         for idx, req in enumerate(batch.req_ids):
             count = sched.num_scheduled_tokens.get(req) if req is not None else None
@@ -69,10 +72,8 @@ class _RouteLog:
                 continue
             start = int(batch.num_computed_tokens_cpu[idx])
             per_pos = self.routes.setdefault(req, {})
-            for j in range(count):
-                if row + j >= self.step[0].shape[0]:
-                    return
-                per_pos[start + j] = [self.step[layer][row + j].tolist() for layer in range(self.layers)]
+            for j, layers in enumerate(chosen[row : row + count].tolist()):
+                per_pos[start + j] = layers
             row += count
 
 
