@@ -1,6 +1,7 @@
 """Where a run's model comes from: a named config of policy/models.py, initialised from a seed,
 or a Hugging Face checkpoint directory (``[model] hf_path``, policy/hf.py). The trainer and every
-inference engine ask here, so they build the same architecture and start from the same weights.
+inference engine take the architecture from here; the trainer also its initial weights, which it
+publishes as version 0 for the engines.
 """
 
 from __future__ import annotations
