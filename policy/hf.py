@@ -307,11 +307,11 @@ def save_checkpoint(
     ``max_shard_bytes``). ``source``: the checkpoint the run started from, whose config.json
     and tokenizer files are carried over; ``dtype``: the saved precision (default: the
     tensors')."""
-    from jetrl.policy.weights import state_dict_of, to_hf
+    from jetrl.policy.weights import to_hf
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    hf = to_hf(state_dict_of(tensors), cfg)
+    hf = to_hf(tensors, cfg)
     if dtype is not None:
         hf = {k: v.to(dtype) for k, v in hf.items()}
     save_dtype = next(iter(hf.values())).dtype

@@ -109,7 +109,6 @@ class _Checkpointer:
     def __init__(self, engine: sa.Engine, every_s: float) -> None:
         self.engine = engine
         self.every_s = every_s
-        self.checkpoints = 0
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="store-checkpoints", daemon=True)
@@ -129,7 +128,6 @@ class _Checkpointer:
                     driver = conn.connection.driver_connection
                     assert driver is not None
                     driver.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-                self.checkpoints += 1
             except Exception as exc:  # the next commit pokes again; the WAL only grows meanwhile
                 log.warning("store_checkpoint_failed", error=repr(exc))
             if self._stopping.wait(self.every_s):

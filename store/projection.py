@@ -178,7 +178,6 @@ class TableWriter:
 
     def __init__(self, spec: Spec, dialect: sa.Dialect) -> None:
         self.spec = spec
-        self.dialect_name = dialect.name
         t = spec.table
         self.columns: tuple[str, ...] = spec.columns
         self._values = operator.itemgetter(*self.columns)
@@ -321,10 +320,9 @@ def _write_offset(
 
 @dataclass(frozen=True)
 class PreparedBatch:
-    """A batch folded against the tracking row at ``after_seq``, ready to write: its rows, the
-    sequence the tracking row moves to, and the time of its last event."""
+    """A batch folded against a tracking row, ready to write: its rows, the sequence the tracking
+    row moves to, and the time of its last event."""
 
-    after_seq: int
     rows: dict[str, list[dict[str, Any]]]
     applied: int
     skipped: int
@@ -339,7 +337,6 @@ def prepare_batch(
     fresh = sorted((i for i in items if i.seq > after_seq), key=lambda i: i.seq)
     top_seq = max([after_seq, *(i.seq for i in fresh), *([through_seq] if through_seq is not None else [])])
     return PreparedBatch(
-        after_seq=after_seq,
         rows=fold(fresh) if fresh else {},
         applied=len(fresh),
         skipped=len(items) - len(fresh),

@@ -67,9 +67,6 @@ class Spec:
         row.update(zip(self.key, key, strict=True))
         return row
 
-    def group(self, seq_col: str) -> Group:
-        return self.groups_by_seq[seq_col]
-
 
 _T = sc.Base.metadata.tables
 
