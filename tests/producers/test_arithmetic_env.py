@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import functools
 import random
-from collections.abc import Iterable, Sequence
+import tempfile
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from jetrl.policy.tokenizer import CharTokenizer, ChatMessage
+from jetrl.deploy.tiny_hf_cmd import make_tokenizer_dir
+from jetrl.policy.hf_tokenizer import HFTokenizer
+from jetrl.policy.tokenizer import CharTokenizer
 from jetrl.producers.arithmetic import (
     EVAL_BUCKETS,
-    TEMPLATES,
     ArithmeticEnv,
     ProblemGenerator,
     is_eval_fact,
@@ -26,71 +28,12 @@ CHAR = CharTokenizer()
 
 # ---------------------------------------------------------------- a real tokenizer, made here
 
-SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-CHAT_TEMPLATE = (  # Qwen's, reduced: one block per message, then the assistant's opening
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-class BPETokenizer:
-    """A byte-level BPE trained on the spot (no download), wrapped by transformers with a Jinja
-    chat template, behind the Tokenizer seam. No BOS, as Qwen's."""
-
-    def __init__(self) -> None:
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-        from transformers import PreTrainedTokenizerFast
-
-        tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=400,
-            special_tokens=list(SPECIALS),
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        )
-        corpus = [t for style in TEMPLATES.values() for ts in style.values() for t in ts] * 20
-        tok.train_from_iterator([*corpus, "Answer: 19 <calc>12*7</calc> \\boxed{3}"], trainer)
-        self.hf: Any = PreTrainedTokenizerFast(
-            tokenizer_object=tok,
-            eos_token="<|im_end|>",
-            pad_token="<|endoftext|>",
-            chat_template=CHAT_TEMPLATE,
-        )
-        self.vocab_size = len(self.hf)
-        self.pad_id = int(self.hf.pad_token_id)
-        self.eos_id = int(self.hf.eos_token_id)
-        self.bos_id = -1
-        self.stop_ids = (self.eos_id,)
-        self.special_ids = frozenset(int(i) for i in self.hf.all_special_ids)
-
-    def encode(self, text: str, *, bos: bool = True, eos: bool = False) -> list[int]:
-        ids = [int(i) for i in self.hf.encode(text, add_special_tokens=False)]
-        return [*ids, self.eos_id] if eos else ids
-
-    def decode(self, ids: Iterable[int], *, skip_special: bool = True, stop_at_eos: bool = True) -> str:
-        out = []
-        for i in ids:
-            if stop_at_eos and i in self.stop_ids:
-                break
-            out.append(i)
-        return str(self.hf.decode(out, skip_special_tokens=skip_special))
-
-    def render_chat(self, messages: Sequence[ChatMessage]) -> str:
-        return str(
-            self.hf.apply_chat_template(
-                [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
-            )
-        )
-
-    def encode_reply(self, text: str, *, role: str = "user") -> list[int]:
-        # The model's turn ended on <|im_end|>; the template goes on with a newline.
-        return self.encode("\n" + self.render_chat([{"role": role, "content": text}]))
-
 
 @functools.cache
-def bpe() -> BPETokenizer:
-    return BPETokenizer()
+def bpe() -> HFTokenizer:
+    """jetrl's Hugging Face tokenizer over a byte-level BPE trained on the spot (no download),
+    with a Qwen-style chat template (`jetrl make-hf-tiny`'s). No BOS, as Qwen's."""
+    return HFTokenizer(make_tokenizer_dir(Path(tempfile.mkdtemp(prefix="jetrl-bpe-"))))
 
 
 def reply(text: str, tok: Any = CHAR) -> list[int]:
@@ -174,7 +117,7 @@ def test_words_prompts_go_through_the_chat_template() -> None:
         "<|im_start|>assistant\n"
     )
     assert "Answer: N" in t.prompt_text and t.max_tokens == 256
-    im_start = tok.hf.convert_tokens_to_ids("<|im_start|>")
+    (im_start,) = tok.encode("<|im_start|>", bos=False)
     assert t.prompt_tokens[0] == im_start and t.prompt_tokens.count(im_start) == 2  # specials as such
     assert tok.decode(t.prompt_tokens, skip_special=False, stop_at_eos=False) == t.prompt_text
     right = reply(f"Let me add them. Answer: {t.info['answer']}", tok)
