@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from jetrl.bus import events as ev
+from jetrl.store.queries import latest_and_best
 
 # The trainer writes its own aggregates of the reward as `reward_mean` and `reward_max`, and the
 # mean of each environment reward part `<part>` as `reward_<part>`. StepCompleted carries no list
@@ -52,9 +53,7 @@ class RunReport:
         out: dict[str, dict[str, Any]] = {}
         for scope, by_version in self.evaluations.items():
             rows = [by_version[v] for v in sorted(by_version)]
-            last = rows[-1]
-            b1 = max(rows, key=lambda r: (r.pass_at_1, -r.policy_version))
-            bk = max(rows, key=lambda r: (r.pass_at_k, -r.policy_version))
+            last, b1, bk = latest_and_best(rows)
             out[scope] = {
                 "evaluations": len(rows),
                 "k": last.samples,

@@ -221,7 +221,7 @@ def cmd_evals(args: argparse.Namespace) -> int:
 
     with _open(args, args.run) as store:
         rows = queries.evaluations(store, args.run, env=args.env)
-        summaries = [s for s in queries.evaluation_summary(store, args.run) if args.env in (None, s.env)]
+        summaries = queries.summarize_evaluations(rows)
     if args.json:
         print(
             json.dumps(

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import sqlalchemy as sa
 
@@ -30,6 +30,7 @@ __all__ = [
     "env_stats",
     "evaluation_summary",
     "evaluations",
+    "latest_and_best",
     "latest_policy_version",
     "list_runs",
     "policy_versions",
@@ -38,6 +39,7 @@ __all__ = [
     "scope_stats",
     "step_history",
     "step_rollouts",
+    "summarize_evaluations",
     "tenant_stats",
     "workers",
 ]
@@ -527,10 +529,7 @@ def evaluations(src: Source, run_id: str, *, env: str | None = None) -> list[Eva
     if env is not None:
         q = q.where(EV.c.env == env)
     with _conn(src) as conn:
-        return [
-            EvaluationRow(**{**r, "successes": list(r["successes"] or [])})
-            for r in conn.execute(q).mappings()
-        ]
+        return [EvaluationRow(**{**r, "successes": list(r["successes"])}) for r in conn.execute(q).mappings()]
 
 
 @dataclass(frozen=True)
@@ -551,15 +550,38 @@ class EvaluationSummary:
     best_pass_at_k_version: int
 
 
+class Scored(Protocol):
+    @property
+    def policy_version(self) -> int: ...
+    @property
+    def pass_at_1(self) -> float: ...
+    @property
+    def pass_at_k(self) -> float: ...
+
+
+ScoredT = TypeVar("ScoredT", bound=Scored)
+
+
+def latest_and_best(rows: Sequence[ScoredT]) -> tuple[ScoredT, ScoredT, ScoredT]:
+    """Of one env's evaluations in version order: the latest, the best pass@1 and the best
+    pass@k (the earliest version on a tie). The store's summary and the run report share it."""
+    b1 = max(rows, key=lambda r: (r.pass_at_1, -r.policy_version))
+    bk = max(rows, key=lambda r: (r.pass_at_k, -r.policy_version))
+    return rows[-1], b1, bk
+
+
 def evaluation_summary(src: Source, run_id: str) -> list[EvaluationSummary]:
+    return summarize_evaluations(evaluations(src, run_id))
+
+
+def summarize_evaluations(evals: Sequence[EvaluationRow]) -> list[EvaluationSummary]:
+    """Per tenant and env, the latest evaluation and the best of each figure."""
     by_scope: dict[tuple[str, str], list[EvaluationRow]] = {}
-    for row in evaluations(src, run_id):
+    for row in evals:
         by_scope.setdefault((row.tenant, row.env), []).append(row)
     out = []
     for (tenant, env), rows in by_scope.items():  # each in version order
-        last = rows[-1]
-        b1 = max(rows, key=lambda r: (r.pass_at_1, -r.policy_version))
-        bk = max(rows, key=lambda r: (r.pass_at_k, -r.policy_version))
+        last, b1, bk = latest_and_best(rows)
         out.append(
             EvaluationSummary(
                 tenant=tenant,
