@@ -561,15 +561,29 @@ class ConsumerStats:
 
 
 def spoofed(run_id: str, subject: str, event: ev.Event) -> str | None:
-    """Why ``event``, read on ``subject`` of run ``run_id``'s log, is not a fact of that run
-    (its envelope names another run, or another tenant than the subject), else None. Consumers
-    dead-letter such events; a reader of the log that does not consume skips them the same way."""
+    """Why ``event``, read on ``subject`` of run ``run_id``'s log, is not a fact of that run,
+    else None. Every event has one subject, derived from its envelope and body
+    (:func:`subjects.subject_for`); NATS permissions bind a tenant's credential to its subjects,
+    so an event on another subject than its own names another run, tenant, environment, worker
+    or kind than the one that published it (a tenant's StepCompleted on its rollout subject).
+    Consumers dead-letter such events; a reader of the log that does not consume skips them."""
     if event.run_id != run_id:
         return f"envelope run {event.run_id!r} on run {run_id!r}"
     sub_tenant = subjects.tenant_of(subject)
     if sub_tenant is not None and sub_tenant != event.tenant:
         return f"envelope tenant {event.tenant!r} published under tenant {sub_tenant!r}"
+    try:
+        own = subjects.subject_for(event)
+    except (subjects.InvalidName, TypeError) as exc:
+        return f"{event.type} has no valid subject: {exc}"
+    if own != subject and not (isinstance(event.body, ev.DeadLettered) and subjects.is_legacy_dead_letter(subject)):
+        return f"a {event.type} belongs on {own}, not {subject}"
     return None
+
+
+def _rejecting_tenant(subject: str) -> str:
+    t = subjects.tenant_of(subject)
+    return t if t is not None and subjects.is_token(t) else subjects.RUN_TENANT
 
 
 class PullConsumer(Generic[B]):
@@ -661,7 +675,8 @@ class PullConsumer(Generic[B]):
         dl = ev.new_event(
             body,
             run_id=self.spec.run_id,
-            tenant=event.tenant if event else "default",
+            # Under the tenant whose subject it came on (its credential's): that tenant reads it.
+            tenant=_rejecting_tenant(msg.subject),
             causation_id=body.original_event_id,
             event_id=dl_id,
         )

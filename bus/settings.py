@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from jetrl.bus.streams import GiB, StreamLimits
+from jetrl.bus.subjects import check_token
 
 
 class Section(BaseModel):
@@ -25,3 +26,38 @@ class BusSettings(Section):
         return StreamLimits(
             max_bytes=int(self.max_gib * GiB), payload_max_bytes=int(self.payload_max_gib * GiB)
         )
+
+
+# Names jetrl keeps for itself: dead letters of run-wide events go under tenant "jetrl", and a
+# tenant may not take the name of one of jetrl's own identities.
+RESERVED_TENANTS = frozenset({"jetrl", "admin", "trainer", "inference", "recorder", "producer", "gateway"})
+
+
+class TenantSettings(Section):
+    """``[[tenants]]``: one team feeding the run. Tenants named only by an ``[[envs]]`` entry
+    get these defaults."""
+
+    name: str
+    # Its weight in fair scheduling: the share of inference it gets when every tenant has work.
+    weight: float = Field(1.0, gt=0)
+    # Tasks of the tenant queued or generating at once; past it, the oldest queued are refused
+    # (dead-lettered with reason "quota", on the tenant's own dead-letter subject). None: no limit.
+    max_tasks_in_flight: int | None = Field(None, ge=1)
+
+    @field_validator("name")
+    @classmethod
+    def _token(cls, v: str) -> str:
+        check_token(v, "tenant name")
+        if v in RESERVED_TENANTS:
+            raise ValueError(f"tenant name {v!r} is reserved for jetrl's own parts")
+        return v
+
+
+class EnvRoute(Section):
+    """What the consumers know of one environment of the run (from its ``[[envs]]`` entry):
+    events of a (tenant, env) pair that is not one of the run's are refused as unknown."""
+
+    tenant: str
+    env: str
+    group_size: int = Field(ge=1)
+    share: float = Field(1.0, gt=0)  # its relative share of each trainer batch

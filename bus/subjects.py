@@ -8,7 +8,7 @@
     jetrl.<run>.policy                       PolicyVersionPublished
     jetrl.<run>.weights                      WeightsReady
     jetrl.<run>.worker.<kind>.<id>           WeightsLoaded, WorkerHeartbeat
-    jetrl.<run>.dlq.<reason>                 DeadLettered
+    jetrl.<run>.dlq.<tenant>.<reason>        DeadLettered (tenant "jetrl": of a run-wide event)
     jetrl.<run>.eval.<tenant>.<env>          EvaluationReported
 
 Run, tenant, environment, worker kind and id are single subject tokens, so NATS wildcards and
@@ -24,6 +24,7 @@ from typing import Protocol, cast
 from jetrl.bus import events as ev
 
 ROOT = "jetrl"
+RUN_TENANT = "jetrl"  # the tenant token of dead letters of run-wide events (never a tenant's name)
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
@@ -42,6 +43,10 @@ def check_token(value: str, what: str) -> str:
     if len(_valid) < 4096:  # bounded: a process that sees many run ids must not grow forever
         _valid.add(value)
     return value
+
+
+def is_token(value: str) -> bool:
+    return value in _valid or bool(_TOKEN.match(value))
 
 
 def run_prefix(run_id: str) -> str:
@@ -89,16 +94,24 @@ def worker_subject(run_id: str, kind: str = "*", worker_id: str = "*") -> str:
     return f"{run_prefix(run_id)}.worker.{kind_tok}.{_tok_or_wild(worker_id, 'worker id')}"
 
 
-def dlq_subject(run_id: str, reason: str = "*") -> str:
-    return f"{run_prefix(run_id)}.dlq.{_tok_or_wild(reason, 'dead-letter reason')}"
+def dlq_subject(run_id: str, tenant: str = "*", reason: str = "*") -> str:
+    """Dead letters under the tenant whose subject the original came on, so that a tenant reads
+    its own rejections (and only those); ``jetrl`` for run-wide subjects."""
+    return _scoped(run_id, "dlq", tenant, reason, second="dead-letter reason")
+
+
+def all_dlq_subjects(run_id: str) -> str:
+    """Every dead letter of the run, including those of logs written before dead letters had a
+    tenant token (``jetrl.<run>.dlq.<reason>``)."""
+    return f"{run_prefix(run_id)}.dlq.>"
 
 
 def _tok_or_wild(value: str, what: str) -> str:
     return value if value in ("*", ">") else check_token(value, what)
 
 
-def _scoped(run_id: str, kind: str, tenant: str, env: str) -> str:
-    return f"{run_prefix(run_id)}.{kind}.{_tok_or_wild(tenant, 'tenant')}.{_tok_or_wild(env, 'env')}"
+def _scoped(run_id: str, kind: str, tenant: str, env: str, second: str = "env") -> str:
+    return f"{run_prefix(run_id)}.{kind}.{_tok_or_wild(tenant, 'tenant')}.{_tok_or_wild(env, second)}"
 
 
 class _OfEnv(Protocol):
@@ -145,9 +158,14 @@ _SUBJECT_OF: dict[type[ev.EventBody], Callable[[ev.Event], str]] = {
     ev.WeightsLoaded: _worker_event,
     ev.WorkerHeartbeat: _worker_event,
     ev.DeadLettered: lambda e: dlq_subject(
-        e.run_id, check_token(cast(ev.DeadLettered, e.body).reason, "dead-letter reason")
+        e.run_id,
+        check_token(e.tenant, "tenant"),
+        check_token(cast(ev.DeadLettered, e.body).reason, "dead-letter reason"),
     ),
 }
+
+# The tenant-scoped kinds: the fourth token of their subjects is the tenant.
+TENANT_KINDS = ("task", "generation", "rollout", "eval", "dlq")
 
 
 def subject_for(event: ev.Event) -> str:
@@ -161,6 +179,12 @@ def subject_for(event: ev.Event) -> str:
 def tenant_of(subject: str) -> str | None:
     """The tenant token of a tenant-scoped subject, else None (used to catch spoofed events)."""
     parts = subject.split(".")
-    if len(parts) == 5 and parts[2] in ("task", "generation", "rollout", "eval"):
+    if len(parts) == 5 and parts[2] in TENANT_KINDS:
         return parts[3]
     return None
+
+
+def is_legacy_dead_letter(subject: str) -> bool:
+    """A dead letter of a log written before they carried a tenant (``jetrl.<run>.dlq.<reason>``)."""
+    parts = subject.split(".")
+    return len(parts) == 4 and parts[2] == "dlq"

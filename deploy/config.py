@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from jetrl.bus.settings import BusSettings, Section
+from jetrl.bus.settings import BusSettings, EnvRoute, Section, TenantSettings
 from jetrl.consumers.inference.settings import InferencePart, InferenceSettings
 from jetrl.consumers.trainer.settings import TrainerPart, TrainerSettings
 from jetrl.policy.settings import ModelSettings
@@ -42,6 +42,7 @@ class RunConfig(Section):
     trainer: TrainerSettings = TrainerSettings()
     inference: InferenceSettings = InferenceSettings()
     envs: list[EnvSettings] = Field(default_factory=lambda: [EnvSettings()])
+    tenants: list[TenantSettings] = Field(default_factory=list)
     bus: BusSettings = BusSettings()
     store: StoreSettings = StoreSettings()
 
@@ -53,11 +54,27 @@ class RunConfig(Section):
         temps = {e.temperature for e in self.envs}
         if len(temps) > 1:
             raise ValueError(f"all envs must sample at one temperature, got {sorted(temps)}")
+        pairs = [(e.tenant, e.name) for e in self.envs]
+        if len(set(pairs)) != len(pairs):
+            raise ValueError(f"two [[envs]] entries share a (tenant, name): {sorted(pairs)}")
+        names = [t.name for t in self.tenants]
+        if len(set(names)) != len(names):
+            raise ValueError(f"a tenant is listed twice in [[tenants]]: {sorted(names)}")
         if self.inference.engine == "vllm" and not self.model.hf_path:
             raise ValueError("[inference] engine = 'vllm' serves a checkpoint: set [model] hf_path")
         return self
 
     # ------------------------------------------------------------ what each process is handed
+
+    def tenant_settings(self) -> list[TenantSettings]:
+        """Every tenant of the run: those of ``[[tenants]]``, then any other an env names."""
+        out = {t.name: t for t in self.tenants}
+        for e in self.envs:
+            out.setdefault(e.tenant, TenantSettings(name=e.tenant))
+        return list(out.values())
+
+    def env_routes(self) -> list[EnvRoute]:
+        return [EnvRoute(tenant=e.tenant, env=e.name, group_size=e.group_size, share=e.share) for e in self.envs]
 
     def weights_dir(self, run_dir: Path) -> str | None:
         """Where weights travel when ``[bus] weights_store = "file"``: files in the run directory."""
@@ -71,6 +88,8 @@ class RunConfig(Section):
             seed=self.run.seed,
             temperature=t if t > 0 else 1.0,
             weights_dir=self.weights_dir(run_dir),
+            tenants=self.tenant_settings(),
+            envs=self.env_routes(),
         )
 
     def inference_part(self, run_dir: Path) -> InferencePart:
@@ -79,6 +98,8 @@ class RunConfig(Section):
             model=self.model,
             seed=self.run.seed,
             weights_dir=self.weights_dir(run_dir),
+            tenants=self.tenant_settings(),
+            envs=self.env_routes(),
         )
 
     def producer_parts(self) -> list[ProducerPart]:

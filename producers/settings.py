@@ -17,6 +17,9 @@ class EnvSettings(Section):
     name: str = "modsum"  # the environment's name in subjects, ids and the store
     kind: str | None = None  # which environment: a built-in or "verifiers"; default: name
     tenant: str = "default"
+    # Run by its tenant on its own machine (`jetrl producer --creds ...`), not by the supervisor;
+    # the run still counts its share and knows its (tenant, env) pair.
+    remote: bool = False
     group_size: int = Field(16, ge=2)
     share: float = Field(1.0, gt=0)  # relative share of each trainer batch
     temperature: float = Field(1.0, ge=0)

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from jetrl.bus.settings import Section
+from jetrl.bus.settings import EnvRoute, Section, TenantSettings
 from jetrl.policy.settings import ModelSettings
 
 
@@ -58,3 +58,7 @@ class InferencePart(Section):
     model: ModelSettings = ModelSettings()
     seed: int = 0
     weights_dir: str | None = None  # where the trainer writes weights, when not the object store
+    # The run's tenants (fair scheduling, quotas) and environments (tasks of any other pair are
+    # refused); empty: one tenant "default", any environment.
+    tenants: list[TenantSettings] = Field(default_factory=list)
+    envs: list[EnvRoute] = Field(default_factory=list)

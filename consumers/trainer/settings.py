@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from jetrl.bus.settings import Section
+from jetrl.bus.settings import EnvRoute, Section, TenantSettings
 from jetrl.policy.settings import ModelSettings
 
 
@@ -43,3 +43,7 @@ class TrainerPart(Section):
     # Weights go to this shared directory (a FilePayloads store) instead of the run's object
     # store: much faster for models past a few MB when every process sees the same filesystem.
     weights_dir: str | None = None
+    # The run's tenants and environments (batch shares; rollouts of any other pair are refused);
+    # empty: any environment, batches filled in arrival order.
+    tenants: list[TenantSettings] = Field(default_factory=list)
+    envs: list[EnvRoute] = Field(default_factory=list)

@@ -25,7 +25,7 @@ async def drain(consumer, expect: int, *, timeout: float = 10.0) -> list[Deliver
 
 async def dead_letters(bus: Bus, run_id: str, expect: int) -> list[ev.DeadLettered]:
     out: list[ev.DeadLettered] = []
-    async for item in bus.tail(run_id, filter_subject=subjects.dlq_subject(run_id, "*"), idle_timeout=2.0):
+    async for item in bus.tail(run_id, filter_subject=subjects.all_dlq_subjects(run_id), idle_timeout=2.0):
         assert item.event is not None and isinstance(item.event.body, ev.DeadLettered)
         out.append(item.event.body)
         if len(out) >= expect:
