@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import re
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Generic, TypeVar, cast, overload
 
 import nats
@@ -58,6 +61,35 @@ class PublishError(BusError):
         super().__init__(f"{len(failed)} publish(es) failed; first {first[0]}: {first[1]!r}")
 
 
+class PermissionDenied(BusError):
+    """The server refused this identity the subject (NATS permissions): never retried."""
+
+
+_VIOLATION = re.compile(r'permissions violation for (?:publish|subscription) to "([^"]+)"', re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """An identity's credentials file (JSON, mode 0600): its name, its nkey seed, and the inbox
+    prefix its permissions allow it to subscribe under (replies to it arrive there, and another
+    identity cannot read them)."""
+
+    name: str
+    seed: str
+    inbox_prefix: str
+
+    @classmethod
+    def load(cls, path: str) -> Credentials:
+        try:
+            raw = json.loads(Path(path).read_text())
+            return cls(name=str(raw["name"]), seed=str(raw["seed"]), inbox_prefix=str(raw["inbox_prefix"]))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise BusError(f"cannot read credentials {path}: {exc!r}") from None
+
+    def connect_options(self) -> dict[str, Any]:
+        return {"nkeys_seed_str": self.seed, "inbox_prefix": self.inbox_prefix}
+
+
 class Reject(Exception):
     """Raised by a handler for a message that can never be processed: dead-lettered at once."""
 
@@ -85,6 +117,8 @@ class Bus:
         self.nc = nc
         self.js = js
         self.name = name
+        # Permission violations the server reported, by subject (lower-cased, as it reports them).
+        self._denied: dict[str, str] = {}
 
     @classmethod
     async def connect(
@@ -96,11 +130,23 @@ class Bus:
         reconnect_wait: float = 0.25,
         max_inflight: int = 512,
         request_timeout: float = 10.0,
+        creds: str | None = None,
     ) -> Bus:
+        """Connect to ``url`` (one server or a cluster's), as the identity of the credentials
+        file ``creds`` (deploy/tenants.py writes them) when the server requires one."""
         servers = [url] if isinstance(url, str) else list(url)
         blog = log.bind(client=name)
+        denied: dict[str, str] = {}
+        ident = Credentials.load(creds) if creds else None
 
         async def on_error(exc: Exception) -> None:
+            text = str(exc)
+            m = _VIOLATION.search(text)
+            if m:
+                if len(denied) < 1024:
+                    denied[m.group(1)] = text
+                blog.warning("nats_permission_denied", subject=m.group(1))
+                return
             blog.warning("nats_error", error=repr(exc))
 
         async def on_disconnect() -> None:
@@ -123,14 +169,25 @@ class Bus:
                 error_cb=on_error,
                 disconnected_cb=on_disconnect,
                 reconnected_cb=on_reconnect,
+                **(ident.connect_options() if ident else {}),
             )
+        except nats.errors.Error as exc:
+            if "authorization" in str(exc).lower():
+                who = f"identity {ident.name!r}" if ident else "no credentials"
+                raise BusError(
+                    f"NATS at {', '.join(servers)} refused {who}: {exc}. Was the identity removed "
+                    "or rotated (`jetrl tenants list`)? Pass --creds with a current credentials file."
+                ) from exc
+            raise
         except (TimeoutError, OSError, nats.errors.NoServersError) as exc:
             raise BusError(
                 f"cannot connect to NATS at {', '.join(servers)}: {exc!r}. Is nats-server running "
                 "with JetStream (-js)? `jetrl run` without --nats-url starts a private one."
             ) from exc
         js = nc.jetstream(timeout=request_timeout, publish_async_max_pending=max_inflight)
-        return cls(nc, js, name)
+        bus = cls(nc, js, name)
+        bus._denied = denied
+        return bus
 
     async def close(self) -> None:
         # Flush what was published, then close; a drain would wait on idle pull subscriptions.
@@ -181,8 +238,14 @@ class Bus:
         delay = backoff
         for attempt in range(retries + 1):
             try:
-                return await self.js.publish(subject, data, timeout=timeout, headers=dict(headers))
+                ack = await self.js.publish(subject, data, timeout=timeout, headers=dict(headers))
+                if ack.duplicate:
+                    ack = await self.claim_duplicate(subject, data, headers, ack, timeout=timeout)
+                return ack
             except _RETRYABLE as exc:
+                denied = self.denied(subject)
+                if denied:
+                    raise PermissionDenied(denied) from exc
                 if attempt == retries:
                     raise BusError(
                         f"publish to {subject} failed after {retries + 1} attempts: {exc!r}"
@@ -191,6 +254,33 @@ class Bus:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
         raise AssertionError("unreachable")
+
+    async def claim_duplicate(
+        self, subject: str, data: bytes, headers: dict[str, str], ack: api.PubAck, *, timeout: float = 5.0
+    ) -> api.PubAck:
+        """A publish the stream called a duplicate: genuine when the message stored under its id
+        is on the same subject (a retry, a restarted publisher). Otherwise another client took
+        the id first (ids are derived, so predictable: a tenant could publish on its own
+        subject under the id of another's next event, or of the trainer's next step, and make
+        that vanish): the event is stored under the next free id ``<id>.1``, ``<id>.2``... of
+        the same derivation, so that its own retries are still deduplicated. Readers key on
+        the envelope's event id, which is unchanged."""
+        base = headers[ev.HEADER_MSG_ID]
+        for k in range(1, 9):
+            stored = await self.js.get_msg(ack.stream, ack.seq, direct=True)
+            if stored.subject == subject:
+                return ack
+            log.warning("message_id_taken", subject=subject, event_id=base, by_subject=stored.subject)
+            headers = {**headers, ev.HEADER_MSG_ID: f"{base}.{k}"}
+            ack = await self.js.publish(subject, data, timeout=timeout, headers=headers)
+            if not ack.duplicate:
+                return ack
+        raise BusError(f"event {base}: its message ids are all taken on other subjects")
+
+    def denied(self, subject: str) -> str | None:
+        """The server's permission error for publishing on ``subject``, if it sent one: the
+        publish is then refused for good, not lost in transit (it reports it asynchronously)."""
+        return self._denied.get(subject.lower())
 
     def publisher(self, *, max_inflight: int = 256, ack_timeout: float = 10.0, retries: int = 5) -> Publisher:
         return Publisher(self, max_inflight=max_inflight, ack_timeout=ack_timeout, retries=retries)
@@ -344,6 +434,7 @@ class Publisher:
         self.retries = retries
         self._queue: deque[_Pending] = deque()
         self._failed: dict[str, BaseException] = {}
+        self._duplicates: deque[tuple[_Pending, api.PubAck]] = deque()
         self.published = 0
         self.duplicates = 0
         self.resent = 0
@@ -361,6 +452,8 @@ class Publisher:
         self._reap()
         while len(self._queue) >= self.max_inflight:
             await self._wait_oldest()
+        if self._duplicates:
+            await self._claim_duplicates()
         p = _Pending(headers[ev.HEADER_MSG_ID], subject, data, headers)
         self._queue.append(p)
         await self._send(p)
@@ -381,10 +474,20 @@ class Publisher:
             if fut is None or not fut.done() or fut.cancelled() or fut.exception() is not None:
                 return
             ack = fut.result()
-            q.popleft()
+            p = q.popleft()
             self.published += 1
             if ack.duplicate:
                 self.duplicates += 1
+                self._duplicates.append((p, ack))
+
+    async def _claim_duplicates(self) -> None:
+        """Duplicate acks checked off the hot path (Bus.claim_duplicate says why)."""
+        while self._duplicates:
+            p, ack = self._duplicates.popleft()
+            try:
+                await self.bus.claim_duplicate(p.subject, p.data, p.headers, ack, timeout=self.ack_timeout)
+            except Exception as exc:
+                self._failed[p.event_id] = exc
 
     async def _wait_oldest(self) -> None:
         p = self._queue[0]
@@ -405,8 +508,12 @@ class Publisher:
             error = BusError(f"no ack within {self.ack_timeout}s")
         else:
             error = fut.exception() or BusError("cancelled")
-        permanent = isinstance(error, nats.js.errors.APIError) and not isinstance(
-            error, nats.js.errors.ServiceUnavailableError
+        denied = self.bus.denied(p.subject)
+        if denied:
+            error = PermissionDenied(denied)
+        permanent = denied is not None or (
+            isinstance(error, nats.js.errors.APIError)
+            and not isinstance(error, nats.js.errors.ServiceUnavailableError)
         )
         if permanent or p.attempts > self.retries:
             self._queue.popleft()
@@ -433,6 +540,7 @@ class Publisher:
                 raise BusError(f"flush timed out with {len(self._queue)} publishes unacked")
             await self._wait_oldest()
             self._reap()
+        await self._claim_duplicates()
         if self._failed:
             failed, self._failed = self._failed, {}
             raise PublishError(failed)
@@ -578,6 +686,24 @@ def spoofed(run_id: str, subject: str, event: ev.Event) -> str | None:
         return f"{event.type} has no valid subject: {exc}"
     if own != subject and not (isinstance(event.body, ev.DeadLettered) and subjects.is_legacy_dead_letter(subject)):
         return f"a {event.type} belongs on {own}, not {subject}"
+    return foreign_id(event)
+
+
+_ENTITY_IDS = ("task_id", "group_id", "generation_id", "rollout_id")
+
+
+def foreign_id(event: ev.Event) -> str | None:
+    """Entity ids name their environment and tenant (bus/ids.py): a tenant's event that names
+    another's task or rollout (to have it counted as trained, say) is refused."""
+    b = event.body
+    env = getattr(b, "env", None)
+    if env is None or isinstance(b, ev.EvaluationReported):
+        return None
+    prefix = ids.task_prefix(env, event.tenant)
+    for name in _ENTITY_IDS:
+        value = getattr(b, name, None)
+        if value is not None and not value.startswith(prefix):
+            return f"{name} {value!r} is not of environment {env!r} of tenant {event.tenant!r}"
     return None
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from jetrl.bus import events as ev
-from jetrl.bus import subjects
+from jetrl.bus import ids, subjects
 from jetrl.bus.client import Bus, ConsumerSpec, Delivery
 from jetrl.bus.log import configure
 from jetrl.bus.payloads import ObjectStorePayloads, Payloads
@@ -43,13 +43,13 @@ async def play(url: str, run_id: str, groups: int, group_size: int, seq_len: int
         env = ("reverse", "sort", "modsum")[g % 3]
         tenant = ("acme", "globex")[g % 2]
         task = ev.new_event(
-            ev.TaskSubmitted(task_id=f"t{g}", env=env, group_size=group_size, prompt_tokens=[1, 2, 3]),
+            ev.TaskSubmitted(task_id=ids.task_id(env, tenant, g), env=env, group_size=group_size, prompt_tokens=[1, 2, 3]),
             run_id=run_id,
             tenant=tenant,
         )
         await pub.publish(task)
         for i in range(group_size):
-            gid = f"g{g}-{i}"
+            gid = ids.rollout_id(ids.task_id(env, tenant, g), i)
             trace = rng.integers(0, 64, size=(seq_len, 4, 2), dtype=np.uint8)  # [tokens, moe_layers, top_k]
             comp = rng.integers(0, 32, size=seq_len - 3, dtype=np.int32)
             refs = {
@@ -65,9 +65,9 @@ async def play(url: str, run_id: str, groups: int, group_size: int, seq_len: int
             body = ev.RolloutScored(
                 rollout_id=gid,
                 generation_event_id=uuid.uuid4().hex,
-                task_id=f"t{g}",
+                task_id=ids.task_id(env, tenant, g),
                 env=env,
-                group_id=f"g{g}",
+                group_id=ids.task_id(env, tenant, g),
                 sample_index=i,
                 group_size=group_size,
                 reward=float(rng.random()),
@@ -92,7 +92,7 @@ async def play(url: str, run_id: str, groups: int, group_size: int, seq_len: int
     await bus.js.publish(subjects.rollout_subject(run_id, "acme", "reverse"), b"\x00garbage")
     spoof = ev.new_event(
         ev.RolloutWithheld(
-            rollout_id="x", group_id="x", env="sort", reason="invalid", trainer_step=0, policy_version=0
+            rollout_id="sort.globex.x-0", group_id="sort.globex.x", env="sort", reason="invalid", trainer_step=0, policy_version=0
         ),
         run_id=run_id,
         tenant="globex",

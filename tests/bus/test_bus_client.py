@@ -112,8 +112,8 @@ async def test_poison_messages_are_dead_lettered_and_consumer_goes_on(bus: Bus, 
     good = [
         ev.new_event(
             ev.RolloutWithheld(
-                rollout_id=f"r{i}",
-                group_id="g",
+                rollout_id=f"reverse.acme.1-{i}",
+                group_id="reverse.acme.1",
                 env="reverse",
                 reason="stale",
                 trainer_step=1,
@@ -138,9 +138,9 @@ async def test_poison_messages_are_dead_lettered_and_consumer_goes_on(bus: Bus, 
     async def handler(d: Delivery[ev.RolloutWithheld]) -> None:
         rid = d.body.rollout_id
         attempts[rid] = attempts.get(rid, 0) + 1
-        if rid == "r1":
+        if rid == "reverse.acme.1-1":
             raise Reject("reward is NaN", reason="invalid")
-        if rid == "r2":
+        if rid == "reverse.acme.1-2":
             raise RuntimeError("transient failure that never heals")
         handled.append(rid)
 
@@ -160,8 +160,8 @@ async def test_poison_messages_are_dead_lettered_and_consumer_goes_on(bus: Bus, 
         await asyncio.sleep(0.1)
     stop.set()
     await task
-    assert handled == ["r0", "r3"]
-    assert attempts["r2"] == 3
+    assert handled == ["reverse.acme.1-0", "reverse.acme.1-3"]
+    assert attempts["reverse.acme.1-2"] == 3
     assert c.stats.by_reason == {"malformed": 1, "spoofed": 1, "invalid": 1, "max_deliver": 1}
     dls = await dead_letters(bus, run_id, 4)
     by_reason = {d.reason: d for d in dls}
@@ -327,7 +327,7 @@ async def test_large_events_arrive_once_without_waiting_out_an_ack_wait(bus: Bus
     tokens = list(range(16_000))  # ~64 KiB of msgpack per event
     pub = bus.publisher(max_inflight=64)
     for i in range(n):
-        body = ev.TaskSubmitted(task_id=f"big.t.{i}", env="big", group_size=2, prompt_tokens=tokens)
+        body = ev.TaskSubmitted(task_id=f"big.default.{i}", env="big", group_size=2, prompt_tokens=tokens)
         await pub.publish(ev.new_event(body, run_id=run_id))
     await pub.flush()
     spec = ConsumerSpec(

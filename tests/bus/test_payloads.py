@@ -84,10 +84,10 @@ async def test_log_arrays_are_read_where_they_lie_in_the_log(bus: Bus, run_id: s
     pay = await Payloads.for_run(bus.js, run_id)
     tokens, lps = np.arange(7, dtype=np.int32), np.linspace(-1, 0, 7, dtype=np.float32)
     gen = ev.GenerationCompleted(
-        generation_id="g-0",
-        task_id="g",
+        generation_id="e.default.0-0",
+        task_id="e.default.0",
         env="e",
-        group_id="g",
+        group_id="e.default.0",
         sample_index=0,
         group_size=2,
         prompt_tokens=await pay.put_array("p", np.arange(3, dtype=np.int32)),

@@ -17,7 +17,7 @@ ORACLE = InferencePart(inference=InferenceSettings(engine="tests.support.engines
 async def test_a_second_generation_never_overwrites_the_arrays_of_the_first(bus: Bus, run_id: str) -> None:
     worker = InferenceWorker(bus, run_id, "inf-0", ORACLE)
     worker.payloads = await Payloads.for_run(bus.js, run_id)
-    task = ev.TaskSubmitted(task_id="e.t.0", env="e", group_size=1, prompt_tokens=[1, 2, 3])
+    task = ev.TaskSubmitted(task_id="e.default.0", env="e", group_size=1, prompt_tokens=[1, 2, 3])
     task_event = ev.new_event(task, run_id=run_id)
     prompt = await worker.payloads.put_array("prompt", np.asarray(task.prompt_tokens, np.int32))
     rng = np.random.default_rng(0)

@@ -21,7 +21,7 @@ async def test_a_nearly_full_log_is_warned_about_once(
     bus = await Bus.connect(nats_server.url)
     await bus.ensure_run(run_id, StreamLimits(max_bytes=1024 * 1024, payload_max_bytes=8 * 1024 * 1024))
     sup = Supervisor(load_config(None), run_id, tmp_path / run_id, nats_url=nats_server.url)
-    body = ev.TaskSubmitted(task_id="t", env="e", group_size=2, prompt_tokens=list(range(2000)))
+    body = ev.TaskSubmitted(task_id="e.default.0", env="e", group_size=2, prompt_tokens=list(range(2000)))
     for _ in range(60):  # ~6 KB each: well under 80% of 1 MiB
         await bus.publish(ev.new_event(body, run_id=run_id))
     await sup.check_usage(bus)

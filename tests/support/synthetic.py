@@ -143,7 +143,7 @@ def synthetic_run(
         tokens = 0
         for _ in range(tasks_per_step):
             tenant, env = rng.choice(tenants), rng.choice(envs)
-            task_id = _ids(rng)
+            task_id = f"{env}.{tenant}.{_ids(rng)}"  # entity ids name env and tenant
             prompt = [rng.randrange(32000) for _ in range(rng.randint(8, 32))]
             task = emit(
                 ev.TaskSubmitted(
@@ -152,7 +152,7 @@ def synthetic_run(
                 tenant,
             )
             truth.tasks += 1
-            group_id = _ids(rng)
+            group_id = f"{env}.{tenant}.{_ids(rng)}"
             prompt_arr = _inline(prompt, "int32")  # packed once for the whole group
             for i in range(group_size):
                 wid = rng.choice(workers)
@@ -187,7 +187,7 @@ def synthetic_run(
                 }
                 gen = emit(
                     ev.GenerationCompleted(
-                        generation_id=_ids(rng),
+                        generation_id=f"{env}.{tenant}.{_ids(rng)}",
                         worker_id=wid,
                         timings=ev.GenerationTimings(
                             queued_s=0.01, generate_s=round(rng.uniform(0.1, 2.0), 4)
@@ -198,7 +198,7 @@ def synthetic_run(
                     task.event_id,
                 )
                 truth.generations += 1
-                rid = _ids(rng)
+                rid = f"{env}.{tenant}.{_ids(rng)}"
                 reward = round(rng.random(), 6)
                 emit(
                     ev.RolloutScored(
