@@ -6,6 +6,9 @@
 Prompts go through the run's own tokenizer and chat template (read from its RunStarted event).
 The run's NATS URL is read from ``<runs-dir>/<RUN>/nats_url`` (the supervisor writes it) unless
 ``--nats-url`` names it. The run's inference workers answer; Ctrl-C stops the gateway only.
+
+``--keys FILE`` makes every request authenticate with ``Authorization: Bearer <key>``; the key
+names the tenant the request runs under and counts against (producers/gateway.py).
 """
 
 from __future__ import annotations
@@ -30,7 +33,17 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--nats-url", default=None, help="default: the one the run's supervisor recorded")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--tenant", default="default")
+    p.add_argument("--tenant", default="default", help="every request's tenant when there are no --keys")
+    p.add_argument(
+        "--keys",
+        default=None,
+        metavar="FILE",
+        help="API keys file (jetrl tenants add --api-key writes it): each request's bearer key names "
+        "its tenant and that tenant's limit on requests in flight; re-read when it changes",
+    )
+    p.add_argument(
+        "--max-in-flight", type=int, default=None, help="without --keys: the most requests in flight at once"
+    )
     p.add_argument("--max-tokens", type=int, default=16, help="default and most per request")
     p.add_argument("--timeout-s", type=float, default=120.0)
     p.set_defaults(func=main)
@@ -53,12 +66,17 @@ def main(args: argparse.Namespace) -> int:
             print(f"jetrl gateway: no {recorded}; is the run live? Name its server with --nats-url")
             return 2
         url = recorded.read_text().strip()
+    if args.keys is not None and not Path(args.keys).is_file():
+        print(f"jetrl gateway: no API keys file {args.keys}")
+        return 2
     settings = GatewaySettings(
         host=args.host,
         port=args.port,
         tenant=args.tenant,
         max_tokens=args.max_tokens,
         timeout_s=args.timeout_s,
+        keys=args.keys,
+        max_in_flight=args.max_in_flight,
     )
 
     async def go(stop: asyncio.Event) -> int:
@@ -66,8 +84,9 @@ def main(args: argparse.Namespace) -> int:
         gateway = ChatGateway(bus, args.run, settings, await run_tokenizer(bus, args.run))
         try:
             await gateway.start()
+            who = f"API keys of {args.keys}" if args.keys else f"tenant {args.tenant}, no API keys"
             print(
-                f"jetrl gateway: run {args.run}'s policy at {gateway.url} (OpenAI chat completions API)",
+                f"jetrl gateway: run {args.run}'s policy at {gateway.url} (OpenAI chat API; {who})",
                 flush=True,
             )
             await stop.wait()

@@ -1,4 +1,4 @@
-"""`jetrl runs | history | evals | export | rebuild`: the step-history store from the command line.
+"""`jetrl runs | history [--tenant T | --tenants] | evals | export | rebuild`: the store, from the CLI.
 
 Every command takes ``--db URL``; without it the run directory's SQLite file
 (``<runs-dir>/<RUN>/store.db``) is used. Heavy imports (SQLAlchemy, NATS, pyarrow) happen inside
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from rich.table import Table
 
     from jetrl.store.db import Store
-    from jetrl.store.queries import EvaluationSummary
+    from jetrl.store.queries import EvaluationSummary, StepRow, TenantSummary
 
 EXPORT_FORMATS = ("jsonl", "csv", "parquet")
 
@@ -120,11 +120,14 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 
 def cmd_history(args: argparse.Namespace) -> int:
-    """The step table of a run (``--json`` for machines)."""
+    """The step table of a run (``--json`` for machines); ``--tenant T``: that tenant's summary
+    and the steps it contributed to; ``--tenants``: every tenant's summary."""
     from rich.table import Table
 
     from jetrl.store import queries
 
+    if args.tenant is not None or args.tenants:
+        return _tenant_history(args)
     with _open(args, args.run) as store:
         summary = queries.run_summary(store, args.run)
         rows = queries.step_history(
@@ -175,6 +178,149 @@ def cmd_history(args: argparse.Namespace) -> int:
     if evals:
         _console().print(_evaluation_summary_table(evals))
     return 0
+
+
+# ----------------------------------------------------------------------------- tenants
+
+
+def _pair(a: float | None, b: float | None, digits: int = 3) -> str:
+    return "" if a is None and b is None else f"{_num(a, digits)} / {_num(b, digits)}"
+
+
+def _counts(d: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in d.items())
+
+
+def _tenant_history(args: argparse.Namespace) -> int:
+    from jetrl.store import queries
+
+    with _open(args, args.run) as store:
+        if queries.run_summary(store, args.run) is None:
+            print(f"run {args.run!r} is not in the store", file=sys.stderr)
+            return 1
+        if args.tenants:
+            summaries = queries.tenant_summaries(store, args.run)
+            if args.json:
+                print(json.dumps([dataclasses.asdict(s) for s in summaries], indent=1))
+            else:
+                _console().print(_tenants_table(args.run, summaries))
+            return 0
+        summary = queries.tenant_summary(store, args.run, args.tenant)
+        rows = queries.step_history(
+            store,
+            args.run,
+            from_step=args.from_step,
+            to_step=args.to_step,
+            limit=args.limit,
+            tenant=args.tenant,
+        )
+    if summary is None:
+        print(f"run {args.run!r} has no events of tenant {args.tenant!r}", file=sys.stderr)
+        return 1
+    if args.json:
+        out = {"summary": dataclasses.asdict(summary), "steps": [dataclasses.asdict(r) for r in rows]}
+        print(json.dumps(out, indent=1))
+        return 0
+    console = _console()
+    console.print(_tenant_summary_table(args.run, summary))
+    console.print(_tenant_steps_table(summary.tenant, rows))
+    return 0
+
+
+def _tenant_summary_table(run: str, s: TenantSummary) -> Table:
+    from rich.table import Table
+
+    table = Table(
+        title=f"run {run} — tenant {s.tenant}: {s.tasks} tasks, {s.rollouts} rollouts, "
+        f"{s.rejections} rejections"
+    )
+    table.add_column("figure")
+    table.add_column("value")
+    later = f" ({s.tasks_first_turn} first turns, {s.tasks_later_turns} later turns)"
+    for name, value in (
+        ("tasks", f"{s.tasks}{later}"),
+        ("tasks by env", _counts(s.tasks_by_env)),
+        ("generations", f"{s.generations} ({s.completion_tokens} completion tokens)"),
+        ("rollouts scored", str(s.rollouts)),
+        ("trained", str(s.trained)),
+        ("withheld", f"{s.withheld} {('(' + _counts(s.withheld_by_reason) + ')') if s.withheld else ''}"),
+        ("pending", str(s.pending)),
+        ("reward mean", _num(s.reward_mean)),
+        ("reward by env", ", ".join(f"{e} {_num(r)}" for e, r in s.reward_by_env.items())),
+        ("staleness mean", _num(s.staleness_mean, 2)),
+        (
+            "rejections",
+            f"{s.rejections} {('(' + _counts(s.rejections_by_reason) + ')') if s.rejections else ''}",
+        ),
+        ("queued s p50 / p95", _pair(s.queued_s_p50, s.queued_s_p95)),
+        ("task to scored s p50 / p95", _pair(s.task_to_scored_s_p50, s.task_to_scored_s_p95)),
+    ):
+        table.add_row(name, value.strip())
+    return table
+
+
+def _tenant_steps_table(tenant: str, rows: list[StepRow]) -> Table:
+    from rich.table import Table
+
+    table = Table(title=f"steps that trained on or withheld {tenant}'s rollouts")
+    for col in (
+        "step",
+        "version",
+        "time",
+        "rollouts",
+        f"{tenant} rollouts",
+        f"{tenant} withheld",
+        f"{tenant} reward",
+        f"{tenant} staleness",
+    ):
+        table.add_column(col, justify="left" if col == "time" else "right")
+    for r in rows:
+        table.add_row(
+            str(r.step),
+            str(r.policy_version),
+            _ts(r.completed_at),
+            str(r.num_rollouts),
+            str(r.tenant_rollouts or 0),
+            str(r.withheld),
+            _num(r.reward_mean),
+            _num(r.staleness_mean, 2),
+        )
+    return table
+
+
+def _tenants_table(run: str, summaries: list[TenantSummary]) -> Table:
+    from rich.table import Table
+
+    table = Table(title=f"run {run} — tenants")
+    for col in (
+        "tenant",
+        "tasks",
+        "later turns",
+        "generations",
+        "rollouts",
+        "trained",
+        "withheld",
+        "reward",
+        "rejections",
+        "queued p50/p95 s",
+        "to scored p50/p95 s",
+    ):
+        table.add_column(col, justify="left" if col in ("tenant", "rejections") else "right")
+    for s in summaries:
+        table.add_row(
+            s.tenant,
+            str(s.tasks),
+            str(s.tasks_later_turns),
+            str(s.generations),
+            str(s.rollouts),
+            str(s.trained),
+            str(s.withheld),
+            _num(s.reward_mean),
+            f"{s.rejections} {('(' + _counts(s.rejections_by_reason) + ')') if s.rejections else ''}".strip(),
+            _pair(s.queued_s_p50, s.queued_s_p95, 2),
+            _pair(s.task_to_scored_s_p50, s.task_to_scored_s_p95, 2),
+        )
+    return table
 
 
 # ----------------------------------------------------------------------------- evals
@@ -467,6 +613,11 @@ def add_store_commands(subparsers: Any) -> None:
     p.add_argument("--from-step", type=int, default=None)
     p.add_argument("--to-step", type=int, default=None)
     p.add_argument("--limit", type=int, default=None)
+    who = p.add_mutually_exclusive_group()
+    who.add_argument(
+        "--tenant", default=None, help="one tenant's summary and the steps that trained on its rollouts"
+    )
+    who.add_argument("--tenants", action="store_true", help="every tenant's summary, one row each")
     p.set_defaults(func=cmd_history)
 
     p = subparsers.add_parser("evals", help="held-out evaluations of a run (pass@1, pass@k per version)")

@@ -9,12 +9,23 @@ request and answer (the recorder projects them like the rest).
 
 Routes: ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``. Bad requests get a
 400 with the OpenAI error shape; a request that no worker answers in time gets a 504.
+
+With an API keys file (``keys``; ``jetrl tenants add --api-key`` writes it) every request but
+``/health`` needs ``Authorization: Bearer <key>`` (401 otherwise): the key names its tenant, whose
+subject the request's TaskSubmitted goes on and whose limit on requests in flight at the gateway
+it counts against (429 past it). The file holds only SHA-256 hashes of the keys and is read again
+when it changes, so a key added or removed applies without a restart. Keys are never logged.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
+import json
+import os
+import stat
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -29,6 +40,7 @@ from jetrl.bus import ids, subjects
 from jetrl.bus.client import Bus
 from jetrl.bus.log import get_logger
 from jetrl.bus.payloads import ObjectStorePayloads, Payloads
+from jetrl.bus.settings import RESERVED_TENANTS
 from jetrl.policy.tokenizer import ChatMessage, Tokenizer, make_tokenizer
 
 
@@ -41,15 +53,105 @@ class GatewaySettings(BaseModel):
     max_n: int = Field(64, ge=1)
     timeout_s: float = Field(120.0, gt=0)  # how long a request waits for the workers
     model: str = "jetrl"  # the model name the endpoint answers to
+    # The API keys file ({"keys": {sha256 hex: {"tenant", "max_in_flight"}}}); None: no keys,
+    # every request is the tenant above's.
+    keys: str | None = None
+    # Without keys: the most requests of that tenant in flight at once (None: no limit).
+    max_in_flight: int | None = Field(None, ge=1)
 
 
 class RequestError(ValueError):
     """A request the gateway refuses (HTTP 400), with the reason for the caller."""
 
 
+@dataclass(frozen=True)
+class KeyGrant:
+    """What one API key gives: its tenant and that tenant's limit on requests in flight."""
+
+    tenant: str
+    max_in_flight: int | None
+
+
+def key_hash(key: str) -> str:
+    """How a key is stored in the keys file: its SHA-256, hex."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def parse_keys(data: Any) -> dict[str, KeyGrant]:
+    """The keys file's content, checked. Errors name the tenant, never a hash or a key."""
+    keys = data.get("keys") if isinstance(data, dict) else None
+    if not isinstance(keys, dict):
+        raise ValueError('the keys file must be a JSON object {"keys": {...}}')
+    out: dict[str, KeyGrant] = {}
+    for digest, grant in keys.items():
+        if not isinstance(grant, dict) or not isinstance(grant.get("tenant"), str):
+            raise ValueError("each key needs a 'tenant'")
+        tenant = subjects.check_token(grant["tenant"], "tenant")
+        if tenant in RESERVED_TENANTS:
+            raise ValueError(f"tenant {tenant!r} is reserved for jetrl's own parts")
+        limit = grant.get("max_in_flight")
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"tenant {tenant!r}: max_in_flight must be a positive integer or null")
+        if (
+            not isinstance(digest, str)
+            or len(digest) != 64
+            or any(c not in "0123456789abcdef" for c in digest)
+        ):
+            raise ValueError(f"tenant {tenant!r}: a key must be stored as its SHA-256 in lowercase hex")
+        out[digest] = KeyGrant(tenant, limit)
+    return out
+
+
+class ApiKeys:
+    """The gateway's keys file, read again whenever its modification time, size or inode change
+    (a writer that replaces it by rename, or one that rewrites it in place)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self.log = get_logger(__name__, worker_id="gateway")
+        self._stamp: tuple[int, int, int] | None = None
+        self._grants: dict[str, KeyGrant] = {}
+        self.refresh(strict=True)
+
+    def refresh(self, *, strict: bool = False) -> None:
+        """Reload if the file changed. A file that cannot be read or parsed raises at start
+        (``strict``); later, the keys already loaded stay in force and the error is logged."""
+        try:
+            st = os.stat(self.path)
+            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+            if stamp == self._stamp:
+                return
+            with open(self.path, "rb") as f:
+                grants = parse_keys(json.loads(f.read()))
+        except (OSError, ValueError) as e:
+            if strict:
+                raise ValueError(f"API keys file {self.path}: {e}") from None
+            self.log.error("gateway_keys_unreadable", path=self.path, error=str(e))
+            return
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            self.log.warning(
+                "gateway_keys_file_not_private", path=self.path, mode=oct(stat.S_IMODE(st.st_mode))
+            )
+        self._stamp, self._grants = stamp, grants
+        self.log.info(
+            "gateway_keys_loaded", path=self.path, tenants=sorted({g.tenant for g in grants.values()})
+        )
+
+    def lookup(self, key: str) -> KeyGrant | None:
+        """The grant of ``key``, or None. Every stored hash is compared in constant time."""
+        self.refresh()
+        digest = key_hash(key)
+        found = None
+        for stored, grant in self._grants.items():
+            if hmac.compare_digest(stored, digest):
+                found = grant
+        return found
+
+
 @dataclass
 class _Pending:
     n: int
+    tenant: str
     done: asyncio.Future[list[ev.GenerationCompleted]]
     got: dict[int, ev.GenerationCompleted] = field(default_factory=dict)
 
@@ -89,6 +191,8 @@ class ChatGateway:
         subjects.check_token(settings.env, "env")
         subjects.check_token(settings.tenant, "tenant")
         self.tok = tokenizer or make_tokenizer()
+        self.keys = ApiKeys(settings.keys) if settings.keys else None
+        self.in_flight: dict[str, int] = {}  # per tenant, the requests being answered
         self.pending: dict[str, _Pending] = {}
         self.payloads: Payloads | None = None
         self.requests = 0
@@ -96,7 +200,9 @@ class ChatGateway:
         self._follower: asyncio.Task[None] | None = None
         self._runner: web.AppRunner | None = None
         self.port = settings.port
-        self.log = get_logger(__name__, run_id=run_id, tenant=settings.tenant, worker_id="gateway")
+        # With keys every request names its own tenant (logged with it), not the settings' one.
+        scope = {} if self.keys else {"tenant": settings.tenant}
+        self.log = get_logger(__name__, run_id=run_id, worker_id="gateway", **scope)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -131,14 +237,15 @@ class ChatGateway:
                 p.done.cancel()
 
     async def _follow(self, from_seq: int) -> None:
-        subject = subjects.generation_subject(self.run_id, self.s.tenant, self.s.env)
+        tenant = "*" if self.keys else self.s.tenant  # with keys, answers come under every tenant
+        subject = subjects.generation_subject(self.run_id, tenant, self.s.env)
         async for item in self.bus.tail(self.run_id, filter_subject=subject, from_seq=from_seq):
             g = item.event.body if item.event else None
             if not isinstance(g, ev.GenerationCompleted):
                 continue
             p = self.pending.get(g.task_id)
-            if p is None or p.done.done():
-                continue  # another gateway's, or one that timed out
+            if p is None or p.done.done() or item.event is None or item.event.tenant != p.tenant:
+                continue  # another gateway's, one that timed out, or not under the asker's tenant
             p.got[g.sample_index] = g
             if len(p.got) == p.n:
                 p.done.set_result([p.got[i] for i in sorted(p.got)])
@@ -167,13 +274,15 @@ class ChatGateway:
             raise RequestError("'temperature' must be a number in 0..2")
         return text, tokens, n, max_tokens, float(temperature), bool(body.get("logprobs"))
 
-    async def complete(self, body: Any) -> dict[str, Any]:
-        """One chat completion: the OpenAI response object, with a ``jetrl`` field naming the
-        task, the policy version that answered and the generation ids."""
+    async def complete(self, body: Any, tenant: str | None = None) -> dict[str, Any]:
+        """One chat completion for ``tenant`` (default: the settings'): the OpenAI response
+        object, with a ``jetrl`` field naming the task, the policy version that answered and the
+        generation ids."""
         self.requests += 1
+        tenant = subjects.check_token(tenant or self.s.tenant, "tenant")
         text, tokens, n, max_tokens, temperature, want_logprobs = self._parse(body)
-        task_id = ids.task_id(self.s.env, self.s.tenant, uuid.uuid4().hex)
-        pending = _Pending(n, asyncio.get_running_loop().create_future())
+        task_id = ids.task_id(self.s.env, tenant, uuid.uuid4().hex)
+        pending = _Pending(n, tenant, asyncio.get_running_loop().create_future())
         self.pending[task_id] = pending
         try:
             await self.bus.publish(
@@ -189,7 +298,7 @@ class ChatGateway:
                         temperature=temperature,
                     ),
                     run_id=self.run_id,
-                    tenant=self.s.tenant,
+                    tenant=tenant,
                     event_id=ids.task_event_id(self.run_id, task_id),
                 )
             )
@@ -242,25 +351,78 @@ class ChatGateway:
     # ------------------------------------------------------------------ HTTP
 
     @staticmethod
-    def _error(status: int, message: str, kind: str) -> web.Response:
-        return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+    def _error(
+        status: int,
+        message: str,
+        kind: str,
+        code: str | int | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> web.Response:
+        return web.json_response(
+            {"error": {"message": message, "type": kind, "param": None, "code": code or status}},
+            status=status,
+            headers=headers,
+        )
+
+    def _authenticate(self, request: web.Request) -> KeyGrant | web.Response:
+        """The request's tenant and limit: from its bearer key with a keys file, else the
+        settings'. A refusal (401) is logged without the key."""
+        if self.keys is None:
+            return KeyGrant(self.s.tenant, self.s.max_in_flight)
+        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+        key = key.strip()
+        grant = self.keys.lookup(key) if scheme.lower() == "bearer" and key else None
+        if grant is not None:
+            return grant
+        self.refused += 1
+        why = "unknown API key" if key else "missing API key: send 'Authorization: Bearer <key>'"
+        self.log.info("gateway_unauthorized", reason=why.split(":")[0])
+        return self._error(
+            401, why, "invalid_request_error", "invalid_api_key", {"WWW-Authenticate": "Bearer"}
+        )
 
     async def _chat(self, request: web.Request) -> web.Response:
+        grant = self._authenticate(request)
+        if isinstance(grant, web.Response):
+            return grant
+        tenant, limit = grant.tenant, grant.max_in_flight
+        busy = self.in_flight.get(tenant, 0)
+        if limit is not None and busy >= limit:
+            # Admission at the edge: a clear refusal the caller can retry, not a queue that stalls.
+            self.refused += 1
+            self.log.info("gateway_quota_refused", tenant=tenant, in_flight=busy, limit=limit)
+            return self._error(
+                429,
+                f"tenant {tenant!r} has {busy} requests in flight at the gateway, its limit is {limit}: "
+                "retry when one has been answered",
+                "rate_limit_error",
+                "rate_limit_exceeded",
+            )
+        self.in_flight[tenant] = busy + 1
+        try:
+            return await self._answer(request, tenant)
+        finally:
+            self.in_flight[tenant] -= 1
+
+    async def _answer(self, request: web.Request, tenant: str) -> web.Response:
         try:
             body = await request.json()
         except ValueError:
             self.refused += 1
             return self._error(400, "the request body is not JSON", "invalid_request_error")
         try:
-            return web.json_response(await self.complete(body))
+            return web.json_response(await self.complete(body, tenant))
         except RequestError as e:
             self.refused += 1
-            self.log.info("gateway_request_refused", reason=str(e))
+            self.log.info("gateway_request_refused", tenant=tenant, reason=str(e))
             return self._error(400, str(e), "invalid_request_error")
         except TimeoutError:
             return self._error(504, f"no inference worker answered in {self.s.timeout_s:g}s", "timeout")
 
     async def _models(self, request: web.Request) -> web.Response:
+        grant = self._authenticate(request)
+        if isinstance(grant, web.Response):
+            return grant
         return web.json_response(
             {"object": "list", "data": [{"id": self.s.model, "object": "model", "owned_by": "jetrl"}]}
         )
