@@ -1,7 +1,19 @@
 """The inference consumer: tasks in, completions out, weights loaded between batches.
 
-Many workers share one durable consumer on the run's task subjects, so each task goes to one of
-them. A worker has its generation engine (consumers/inference/engine.py) generate the task's
+Tasks come through durable consumers on the run's task subjects that every worker shares, so
+each task goes to one worker. With one tenant (and no quota) that is one consumer, ``inference``,
+over every tenant's tasks. With several tenants, or any quota, each tenant of ``[[tenants]]`` has
+its own, ``inference-<tenant>`` (plus ``inference-default`` for the gateway's tasks of tenant
+``default`` when that is not a tenant of the run), and a worker builds each batch from them by
+weighted deficit round robin (bus/fair.py), so a tenant that floods cannot starve the others:
+under contention each gets its weighted share of the samples generated. The cost of a task is its
+group size, the samples it asks for: what the trainer consumes and the fairness is measured in,
+and known before generating (token counts are known only after). Tasks are checked at the edge
+(consumers/inference/admission.py: unknown envs, impossible values, quotas) and refused ones
+dead-lettered with their reason on the tenant's dead-letter subject. A tenant that joins a live
+run is not picked up until the workers restart.
+
+A worker has its generation engine (consumers/inference/engine.py) generate the task's
 whole group with its current policy, publishes one
 GenerationCompleted per sample (arrays through the claim-check, routing traces for MoE), and acks
 the task only once every completion is durable. A watcher follows the weights subject; new
@@ -17,21 +29,53 @@ import contextlib
 import os
 import socket
 import time
+from collections import Counter
+from dataclasses import dataclass
 
 import numpy as np
 import structlog
 
 from jetrl.bus import events as ev
 from jetrl.bus import ids, subjects
-from jetrl.bus.client import Batch, Bus, ConsumerSpec, Delivery, keep_alive
+from jetrl.bus.client import Bus, ConsumerSpec, Delivery, keep_alive
+from jetrl.bus.fair import FairPuller, FairQueue, num_pending
 from jetrl.bus.log import get_logger
 from jetrl.bus.payloads import Payloads
+from jetrl.consumers.inference.admission import DEFAULT_TENANT, Admission, Refusal, limits_for
 from jetrl.consumers.inference.engine import GenerationEngine, GroupRequest, Sample, make_generation_engine
 from jetrl.consumers.inference.settings import InferencePart
 from jetrl.policy.tokenizer import tokenizer_for
 
+TaskQueue = FairQueue[ev.TaskSubmitted]
+
+
+@dataclass(frozen=True)
+class TaskSource:
+    """One durable consumer the workers share: its name, task subjects and scheduling weight."""
+
+    durable: str
+    filter_subject: str
+    weight: float = 1.0
+
+
+def task_sources(run_id: str, part: InferencePart) -> list[TaskSource]:
+    """One consumer over every tenant's tasks for a run of one tenant and no quota (as before
+    tenants: a run's existing durable keeps its position), else one per tenant."""
+    tenants = part.tenants
+    if len(tenants) < 2 and not any(t.max_tasks_in_flight for t in tenants):
+        return [TaskSource("inference", subjects.task_subject(run_id))]
+    out = [
+        TaskSource(f"inference-{t.name}", subjects.task_subject(run_id, t.name), t.weight) for t in tenants
+    ]
+    if DEFAULT_TENANT not in {t.name for t in tenants}:  # the gateway's tasks of tenant "default"
+        out.append(TaskSource(f"inference-{DEFAULT_TENANT}", subjects.task_subject(run_id, DEFAULT_TENANT)))
+    return out
+
 
 class InferenceWorker:
+    # Delays of the hand-backs of a task asking for a version far ahead, before it is refused.
+    future_delays: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0)
+
     def __init__(self, bus: Bus, run_id: str, worker_id: str, part: InferencePart) -> None:
         self.bus = bus
         self.run_id = run_id
@@ -59,7 +103,12 @@ class InferenceWorker:
             "affinity_hits": 0,  # later turns this worker served again
             "affinity_deferred": 0,  # handed back for the worker named
             "affinity_misses": 0,  # taken after waiting: the worker named did not
+            "refused": 0,  # dead-lettered at the edge (admission.py)
         }
+        self.admission = Admission(part, limits_for(part, self.engine))
+        self.puller: FairPuller[ev.TaskSubmitted] | None = None
+        self.held: Counter[str] = Counter()  # per tenant: tasks buffered or generating here
+        self.refused: Counter[tuple[str, str]] = Counter()  # (tenant, reason)
         self.log = get_logger(__name__, run_id=run_id, worker_id=worker_id)
 
     @property
@@ -267,68 +316,108 @@ class InferenceWorker:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=self.s.heartbeat_s)
 
+    async def admit(self, q: TaskQueue, d: Delivery[ev.TaskSubmitted]) -> bool:
+        """Whether a task just fetched joins this worker's buffer; otherwise it is settled here:
+        refused (dead-lettered through the consumer that delivered it), or handed back."""
+        t, tenant = d.body, d.event.tenant
+        refusal = self.admission.check(tenant, t) or self.admission.over_quota(
+            tenant, num_pending(d), self.held[tenant]
+        )
+        if refusal is None and self.admission.too_far_ahead(t, self.latest.version if self.latest else None):
+            if d.num_delivered < q.consumer.spec.max_deliver:
+                delays = self.future_delays
+                await d.nak(delay=delays[min(d.num_delivered - 1, len(delays) - 1)])
+                return False
+            latest = self.latest.version if self.latest else None
+            refusal = Refusal(
+                "future_version",
+                f"task {t.task_id}: min_policy_version {t.min_policy_version}, newest {latest}",
+            )
+        if refusal is not None:
+            await q.consumer.dead_letter(d, refusal.reason, refusal.detail)
+            self.refused[(tenant, refusal.reason)] += 1
+            self.stats["refused"] += 1
+            self.log.warning("task_refused", tenant=tenant, task_id=t.task_id, reason=refusal.reason)
+            return False
+        if self.leave_to_its_worker(d):
+            await d.nak(delay=self.s.affinity_delay_s)
+            return False
+        self.held[tenant] += 1
+        return True
+
     async def run(self, stop: asyncio.Event) -> None:
         self.payloads = await Payloads.for_run(self.bus.js, self.run_id, weights_dir=self.part.weights_dir)
-        consumer = await self.bus.consumer(
-            ConsumerSpec(
-                run_id=self.run_id,
-                durable="inference",
-                filter_subjects=[subjects.task_subject(self.run_id)],
-                ack_wait=self.s.ack_wait_s,
-                max_deliver=5,
-                max_ack_pending=4096,
-            ),
-            ev.TaskSubmitted,
+        weights: dict[str, float] = {}
+        queues: list[TaskQueue] = []
+        for src in task_sources(self.run_id, self.part):
+            consumer = await self.bus.consumer(
+                ConsumerSpec(
+                    run_id=self.run_id,
+                    durable=src.durable,
+                    filter_subjects=[src.filter_subject],
+                    ack_wait=self.s.ack_wait_s,
+                    max_deliver=5,
+                    max_ack_pending=4096,
+                ),
+                ev.TaskSubmitted,
+            )
+            queues.append(FairQueue(src.durable, consumer, src.weight))
+            weights[src.durable] = src.weight
+        puller = FairPuller(
+            queues,
+            cost=lambda d: float(d.body.group_size),
+            admit=self.admit,
+            # Twice a batch: a backlogged tenant still has work here when the next batch is built.
+            depth=2 * self.s.max_batch_tasks,
+            keep_alive_s=self.s.ack_wait_s / 3,
         )
+        self.puller = puller
         structlog.contextvars.bind_contextvars(run_id=self.run_id, worker_id=self.worker_id)
         watcher = asyncio.create_task(self.watch_weights(stop))
         beat = asyncio.create_task(self.heartbeat(stop))
         self.log.info(
-            "inference_worker_started", precision=self.s.precision, pid=os.getpid(), host=socket.gethostname()
+            "inference_worker_started",
+            precision=self.s.precision,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            consumers=weights,
         )
 
         in_flight: set[asyncio.Task[None]] = set()
 
-        async def generate(got: Batch[ev.TaskSubmitted]) -> None:
-            good = []
-            for d in got.deliveries:
-                if d.body.group_size < 1:
-                    await consumer.dead_letter(d, "invalid", f"task {d.body.task_id}: group_size < 1")
-                elif self.leave_to_its_worker(d):
-                    await d.nak(delay=self.s.affinity_delay_s)
-                else:
-                    good.append(d)
-            if not good:
-                return
-            if self.batches_in_flight == 1:  # a failed batch is retried (or parked) by the loop
-                await self.handle_batch(good, stop)
-                return
-            while len(in_flight) >= self.batches_in_flight:
-                await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
-            task = asyncio.create_task(in_background(good))
-            in_flight.add(task)
-            task.add_done_callback(in_flight.discard)
-
-        async def in_background(good: list[Delivery[ev.TaskSubmitted]]) -> None:
+        async def run_batch(got: list[tuple[TaskQueue, Delivery[ev.TaskSubmitted]]]) -> None:
             try:
-                await self.handle_batch(good, stop)
-            except Exception as exc:  # as the loop settles a failed batch
-                self.log.exception("batch_failed", events=len(good))
-                for d in good:
+                await self.handle_batch([d for _, d in got], stop)
+            except Exception as exc:  # retried with backoff, or parked, by its own consumer
+                self.log.exception("batch_failed", events=len(got))
+                for q, d in got:
                     if not d.settled:
-                        await consumer.settle_failure(d, exc)
+                        await q.consumer.settle_failure(d, exc)
+            finally:
+                for _, d in got:
+                    self.held[d.event.tenant] -= 1
 
-        async def take_new_weights() -> bool:
-            if self.new_weights.is_set():
-                self.new_weights.clear()
-                await self.load_latest()
-            return False
-
+        await puller.start()
         try:
-            await consumer.run_batches(
-                generate, batch=self.s.max_batch_tasks, fetch_timeout=0.5, stop=stop, after=take_new_weights
-            )
+            while not stop.is_set():
+                if self.new_weights.is_set():
+                    self.new_weights.clear()
+                    await self.load_latest()
+                if len(in_flight) >= self.batches_in_flight:
+                    # Take tasks only for a free slot: ones taken wait unkept otherwise.
+                    await asyncio.wait(in_flight, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                got = await puller.next_batch(self.s.max_batch_tasks, timeout=0.5)
+                if not got:
+                    continue
+                if self.batches_in_flight == 1:
+                    await run_batch(got)
+                    continue
+                task = asyncio.create_task(run_batch(got))
+                in_flight.add(task)
+                task.add_done_callback(in_flight.discard)
         finally:
+            await puller.close()
             if in_flight:
                 await asyncio.gather(*in_flight, return_exceptions=True)
             watcher.cancel()
@@ -338,4 +427,6 @@ class InferenceWorker:
             with contextlib.suppress(Exception):
                 await beat
             await self.engine.close()
-            self.log.info("inference_worker_stopped", **self.stats)
+            served = {q.name: q.served for q in queues}
+            refused = {f"{t}/{r}": n for (t, r), n in self.refused.items()}
+            self.log.info("inference_worker_stopped", served_samples=served, refused_by=refused, **self.stats)
