@@ -15,6 +15,7 @@ from jetrl.bus.settings import EnvRoute, TenantSettings
 from jetrl.consumers.inference.admission import Admission, Limits
 from jetrl.consumers.inference.settings import InferencePart, InferenceSettings
 from jetrl.consumers.inference.worker import InferenceWorker
+from jetrl.policy.settings import ModelSettings
 from jetrl.policy.tokenizer import CharTokenizer
 
 TOK = CharTokenizer()
@@ -25,7 +26,7 @@ def part_of(*tenants: TenantSettings, batch: int = 32) -> InferencePart:
     names = [t.name for t in tenants]
     return InferencePart(
         inference=InferenceSettings(engine="tests.support.engines:OracleEngine", max_batch_tasks=batch),
-        model={"name": "tiny-dense"},  # vocabulary 64, context 256
+        model=ModelSettings(name="tiny-dense"),  # vocabulary 64, context 256
         tenants=list(tenants),
         envs=[EnvRoute(tenant=n, env="modsum", group_size=2) for n in names],
     )

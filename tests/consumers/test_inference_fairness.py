@@ -16,6 +16,7 @@ from jetrl.bus.payloads import Payloads
 from jetrl.bus.settings import EnvRoute, TenantSettings
 from jetrl.consumers.inference.settings import InferencePart, InferenceSettings
 from jetrl.consumers.inference.worker import InferenceWorker, task_sources
+from jetrl.policy.settings import ModelSettings
 from jetrl.policy.tokenizer import CharTokenizer
 
 TOK = CharTokenizer()
@@ -24,7 +25,7 @@ TOK = CharTokenizer()
 def two_tenants(weight_a: float = 1.0, weight_b: float = 1.0) -> InferencePart:
     return InferencePart(
         inference=InferenceSettings(engine="tests.support.engines:OracleEngine", max_batch_tasks=4),
-        model={"name": "tiny-dense"},
+        model=ModelSettings(name="tiny-dense"),
         tenants=[TenantSettings(name="a", weight=weight_a), TenantSettings(name="b", weight=weight_b)],
         envs=[EnvRoute(tenant="a", env="math", group_size=2), EnvRoute(tenant="b", env="code", group_size=2)],
     )
