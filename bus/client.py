@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import json
 import re
 import time
@@ -82,12 +84,32 @@ class Credentials:
     def load(cls, path: str) -> Credentials:
         try:
             raw = json.loads(Path(path).read_text())
-            return cls(name=str(raw["name"]), seed=str(raw["seed"]), inbox_prefix=str(raw["inbox_prefix"]))
+            return cls(
+                name=str(raw["name"]),
+                seed=str(raw["seed"]),
+                inbox_prefix=str(raw["inbox_prefix"]),
+                is_tenant=raw.get("tenant") == raw["name"],
+            )
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise BusError(f"cannot read credentials {path}: {exc!r}") from None
 
     def connect_options(self) -> dict[str, Any]:
         return {"nkeys_seed_str": self.seed, "inbox_prefix": self.inbox_prefix}
+
+    @property
+    def tenant(self) -> str | None:
+        """The tenant this identity is, when it is one (its name); None for jetrl's parts."""
+        return self.name if self.is_tenant else None
+
+    is_tenant: bool = False
+
+    def msg_id_key(self) -> bytes | None:
+        """A tenant's message ids are keyed with a secret of its own: the stream deduplicates by
+        message id across all publishers, and derived event ids are predictable, so another
+        tenant could otherwise take an id first and make this one's event vanish. jetrl's parts
+        check a duplicate against the stored message instead (Bus.claim_duplicate), which a
+        tenant, unable to read the run's log, cannot."""
+        return hashlib.sha256(b"jetrl-msg-id:" + self.seed.encode()).digest() if self.is_tenant else None
 
 
 class Reject(Exception):
@@ -119,6 +141,16 @@ class Bus:
         self.name = name
         # Permission violations the server reported, by subject (lower-cased, as it reports them).
         self._denied: dict[str, str] = {}
+        self.identity: Credentials | None = None
+        self._msg_id_key: bytes | None = None
+
+    def msg_headers(self, headers: dict[str, str]) -> dict[str, str]:
+        """The headers to publish with: a tenant's message id keyed (Credentials.msg_id_key)."""
+        key = self._msg_id_key
+        if key is None:
+            return headers
+        mid = hmac.new(key, headers[ev.HEADER_MSG_ID].encode(), hashlib.sha256).hexdigest()[:32]
+        return {**headers, ev.HEADER_MSG_ID: mid}
 
     @classmethod
     async def connect(
@@ -187,6 +219,8 @@ class Bus:
         js = nc.jetstream(timeout=request_timeout, publish_async_max_pending=max_inflight)
         bus = cls(nc, js, name)
         bus._denied = denied
+        bus.identity = ident
+        bus._msg_id_key = ident.msg_id_key() if ident else None
         return bus
 
     async def close(self) -> None:
@@ -236,6 +270,7 @@ class Bus:
         backoff: float = 0.2,
     ) -> api.PubAck:
         delay = backoff
+        headers = self.msg_headers(headers)
         for attempt in range(retries + 1):
             try:
                 ack = await self.js.publish(subject, data, timeout=timeout, headers=dict(headers))
@@ -264,7 +299,9 @@ class Bus:
         subject under the id of another's next event, or of the trainer's next step, and make
         that vanish): the event is stored under the next free id ``<id>.1``, ``<id>.2``... of
         the same derivation, so that its own retries are still deduplicated. Readers key on
-        the envelope's event id, which is unchanged."""
+        the envelope's event id, which is unchanged. A tenant's ids are keyed instead."""
+        if self._msg_id_key is not None:
+            return ack  # only this identity can make its ids: a duplicate is its own retry
         base = headers[ev.HEADER_MSG_ID]
         for k in range(1, 9):
             stored = await self.js.get_msg(ack.stream, ack.seq, direct=True)
@@ -297,7 +334,7 @@ class Bus:
         """Create or bind a durable pull consumer on the run's stream that delivers events whose
         body is a ``body`` (any event by default); others are dead-lettered as invalid, but for
         the types ``spec.skip_types`` names, which are acked and passed over."""
-        stream = stream_name(spec.run_id)
+        stream = spec.stream or stream_name(spec.run_id)
         cfg = api.ConsumerConfig(
             durable_name=spec.durable,
             name=spec.durable,
@@ -331,12 +368,15 @@ class Bus:
         filter_subject: str | None = None,
         idle_timeout: float | None = None,
         to_head: bool = False,
+        stream: str | None = None,
     ) -> AsyncIterator[TailItem]:
         """Read the run's log in order from ``from_seq`` (default: the start), forever, until
         ``idle_timeout`` seconds pass with nothing new, or (``to_head``) until it has caught up
         with the log: at the first message after which the server has none pending for this
         reader, at once when nothing matches. Undecodable messages are yielded with ``error``
-        set rather than skipped, so a reader sees the whole log."""
+        set rather than skipped, so a reader sees the whole log. ``stream``: read a tenant's
+        view instead (items then carry their sequence in the run's log; ``from_seq`` is the
+        view's)."""
         subject = filter_subject or subjects.all_subjects(run_id)
         queue: asyncio.Queue[Msg] = asyncio.Queue(maxsize=10_000)
 
@@ -347,9 +387,10 @@ class Bus:
             deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE if from_seq else api.DeliverPolicy.ALL,
             opt_start_seq=from_seq,
         )
+        view = stream is not None and stream != stream_name(run_id)
         sub = await self.js.subscribe(
             subject,
-            stream=stream_name(run_id),
+            stream=stream or stream_name(run_id),
             cb=on_msg,
             ordered_consumer=True,
             config=cfg,
@@ -369,12 +410,11 @@ class Bus:
                 except TimeoutError:
                     return
                 meta = msg.metadata
+                seq = origin_seq(msg) if view else meta.sequence.stream
                 try:
-                    item = TailItem(
-                        meta.sequence.stream, msg.subject, ev.decode_event(msg.data, msg.headers), None
-                    )
+                    item = TailItem(seq, msg.subject, ev.decode_event(msg.data, msg.headers), None)
                 except ev.EventDecodeError as exc:
-                    item = TailItem(meta.sequence.stream, msg.subject, None, exc)
+                    item = TailItem(seq, msg.subject, None, exc)
                 yield item
                 if to_head and meta.num_pending == 0:
                     return
@@ -454,7 +494,7 @@ class Publisher:
             await self._wait_oldest()
         if self._duplicates:
             await self._claim_duplicates()
-        p = _Pending(headers[ev.HEADER_MSG_ID], subject, data, headers)
+        p = _Pending(headers[ev.HEADER_MSG_ID], subject, data, self.bus.msg_headers(headers))
         self._queue.append(p)
         await self._send(p)
 
@@ -561,6 +601,9 @@ class ConsumerSpec:
     run_id: str
     durable: str
     filter_subjects: Sequence[str]
+    # Another stream than the run's log: a tenant's view of it (bus/streams.py), whose messages
+    # are copies; deliveries then carry their sequence in the run's log.
+    stream: str | None = None
     ack_wait: float = 30.0
     max_deliver: int = 5
     # Delay before redelivery after the n-th failure (last value repeats).
@@ -648,6 +691,20 @@ Handler = Callable[[Delivery[B]], Awaitable[None]]
 BatchHandler = Callable[[Batch[B]], Awaitable[None]]
 
 
+SOURCE_HEADER = "Nats-Stream-Source"
+
+
+def origin_seq(msg: Msg) -> int:
+    """A view's copy of a message: its sequence in the stream it was sourced from (the server
+    writes ``<stream> <seq> <filter> ...`` into the header). Read only on a view's messages:
+    on the run's log the header is whatever the publisher put there."""
+    value = (msg.headers or {}).get(SOURCE_HEADER, "")
+    parts = value.split()
+    if len(parts) >= 2 and parts[1].isdigit():
+        return int(parts[1])
+    return int(msg.metadata.sequence.stream)
+
+
 def _ack_position(msg: Msg) -> tuple[int, int]:
     """(stream sequence, delivery count) from the ack subject, without building nats-py's
     metadata object (a measurable share of the consume path for small events)."""
@@ -684,7 +741,8 @@ def spoofed(run_id: str, subject: str, event: ev.Event) -> str | None:
         own = subjects.subject_for(event)
     except (subjects.InvalidName, TypeError) as exc:
         return f"{event.type} has no valid subject: {exc}"
-    if own != subject and not (isinstance(event.body, ev.DeadLettered) and subjects.is_legacy_dead_letter(subject)):
+    legacy = isinstance(event.body, ev.DeadLettered) and subjects.is_legacy_dead_letter(subject)
+    if own != subject and not legacy:
         return f"a {event.type} belongs on {own}, not {subject}"
     return foreign_id(event)
 
@@ -719,6 +777,7 @@ class PullConsumer(Generic[B]):
         self.channel = channel
         self.body = body
         self.stats = ConsumerStats()
+        self.view = spec.stream is not None and spec.stream != stream_name(spec.run_id)
         self.log = log.bind(run_id=spec.run_id, consumer=spec.durable)
 
     async def fetch(self, batch: int = 64, timeout: float = 1.0) -> list[Delivery[B]]:
@@ -749,6 +808,8 @@ class PullConsumer(Generic[B]):
 
     async def _admit(self, msg: Msg, dead_lettered: list[int]) -> Delivery[B] | None:
         seq, n = _ack_position(msg)
+        if self.view:
+            seq = origin_seq(msg)
         self.stats.delivered += 1
         try:
             event = ev.decode_event(msg.data, msg.headers)
@@ -782,7 +843,7 @@ class PullConsumer(Generic[B]):
     ) -> int:
         """Publish the message's dead letter, then ack it; returns its stream sequence."""
         meta = msg.metadata
-        seq = meta.sequence.stream
+        seq = origin_seq(msg) if self.view else meta.sequence.stream
         headers = dict(msg.headers or {})
         body = ev.DeadLettered(
             reason=reason,
@@ -919,7 +980,7 @@ class PullConsumer(Generic[B]):
 
     async def info(self) -> api.ConsumerInfo:
         info: api.ConsumerInfo = await self.bus.js.consumer_info(
-            stream_name(self.spec.run_id), self.spec.durable
+            self.spec.stream or stream_name(self.spec.run_id), self.spec.durable
         )
         return info
 

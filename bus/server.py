@@ -61,13 +61,20 @@ class EmbeddedServer:
         max_payload: int = 8 * 1024 * 1024,
         max_file_store: int = 1024**4,
         binary: str | None = None,
+        auth_conf: str | Path | None = None,
+        pid_dir: str | Path | None = None,
     ) -> None:
+        """``auth_conf``: a file with the server's ``authorization`` block (deploy/tenants.py
+        writes it), included so that a reload picks up its changes; ``pid_dir``: where the
+        server registers its pid file, so that whoever changes that file can reload it."""
         self.store_dir = Path(store_dir)
         self.host = host
         self.port = port or free_port()
         self.max_payload = max_payload
         self.max_file_store = max_file_store
         self.binary = binary or find_binary()
+        self.auth_conf = Path(auth_conf).resolve() if auth_conf else None
+        self.pid_dir = Path(pid_dir) if pid_dir else None
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = self.store_dir / "nats-server.log"
 
@@ -81,12 +88,24 @@ class EmbeddedServer:
         js_dir = self.store_dir / "jetstream"
         # Streams reserve their max_bytes up front; a generous cap lets several runs of the
         # default limits coexist on a laptop (the disk itself is the real bound).
-        conf.write_text(
+        text = (
             f'listen: "{self.host}:{self.port}"\n'
             f"max_payload: {self.max_payload}\n"
             f'jetstream {{ store_dir: "{js_dir}", max_file_store: {self.max_file_store} }}\n'
         )
+        if self.auth_conf is not None:
+            # nats-server reads an include relative to the including file, absolute or not.
+            text += f'include "{os.path.relpath(self.auth_conf, conf.parent.resolve())}"\n'
+        if self.pid_dir is not None:
+            self.pid_dir.mkdir(parents=True, exist_ok=True)
+            text += f'pid_file: "{(self.pid_dir / f"{self.port}.pid").resolve()}"\n'
+        conf.write_text(text)
         return conf
+
+    def reload(self) -> None:
+        """Re-read the configuration (added and removed identities) without a restart."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGHUP)
 
     def start(self, timeout: float = 20.0) -> EmbeddedServer:
         if self.proc and self.proc.poll() is None:

@@ -125,6 +125,67 @@ async def ensure_payload_bucket(
         raise StreamSetupError(bucket, limits.payload_max_bytes, exc) from exc
 
 
+# What a tenant's view holds of the run's log: its own subjects, and the steps (the trainer's
+# version and which rollouts it trained; run-wide facts, no other tenant's tasks or rollouts).
+VIEW_KINDS = ("task", "generation", "rollout", "eval", "dlq")
+
+
+def view_stream_name(run_id: str, tenant: str) -> str:
+    """The stream holding tenant ``tenant``'s view of run ``run_id`` (lengths keep the name
+    unambiguous: run and tenant tokens may both contain ``_``)."""
+    run = subjects.check_token(run_id, "run id")
+    return f"JETRLT_{len(run)}_{run}_{subjects.check_token(tenant, 'tenant')}"
+
+
+def view_sources(run_id: str, tenant: str) -> list[str]:
+    return [
+        *(f"{subjects.run_prefix(run_id)}.{kind}.{tenant}.*" for kind in VIEW_KINDS),
+        subjects.step_subject(run_id),
+    ]
+
+
+async def ensure_tenant_view(
+    js: JetStreamContext, run_id: str, tenant: str, limits: StreamLimits | None = None
+) -> api.StreamInfo:
+    """Create (or keep) tenant ``tenant``'s view of the run: a stream sourcing only the
+    tenant's own subjects (and the steps) from the run's log. A tenant reads the run through
+    it, with consumers of its own, and so never holds a consumer on the run's stream nor sees
+    another tenant's events. Messages keep their subjects; their sequence in the run's log is
+    in the ``Nats-Stream-Source`` header (:func:`origin_seq` in bus/client.py)."""
+    limits = limits or StreamLimits()
+    name = view_stream_name(run_id, tenant)
+    try:
+        return await js.stream_info(name)
+    except nats.js.errors.NotFoundError:
+        pass
+    origin = stream_name(run_id)
+    cfg = api.StreamConfig(
+        name=name,
+        description=f"tenant {tenant}'s view of jetrl run {run_id}",
+        sources=[api.StreamSource(name=origin, filter_subject=f) for f in view_sources(run_id, tenant)],
+        retention=api.RetentionPolicy.LIMITS,
+        storage=api.StorageType.FILE,
+        discard=api.DiscardPolicy.NEW,
+        max_bytes=limits.max_bytes,
+        max_msg_size=limits.max_msg_size,
+        num_replicas=limits.replicas,
+        allow_direct=True,
+    )
+    try:
+        info = await js.add_stream(cfg)
+    except nats.js.errors.APIError as exc:
+        raise StreamSetupError(name, limits.max_bytes, exc) from exc
+    log.info("tenant_view_created", run_id=run_id, tenant=tenant, stream=name)
+    return info
+
+
+async def delete_tenant_view(js: JetStreamContext, run_id: str, tenant: str) -> bool:
+    try:
+        return bool(await js.delete_stream(view_stream_name(run_id, tenant)))
+    except nats.js.errors.NotFoundError:
+        return False
+
+
 @dataclass(frozen=True)
 class Usage:
     """How full one of a run's streams is: the log, or the payload bucket's."""

@@ -43,7 +43,9 @@ async def play(url: str, run_id: str, groups: int, group_size: int, seq_len: int
         env = ("reverse", "sort", "modsum")[g % 3]
         tenant = ("acme", "globex")[g % 2]
         task = ev.new_event(
-            ev.TaskSubmitted(task_id=ids.task_id(env, tenant, g), env=env, group_size=group_size, prompt_tokens=[1, 2, 3]),
+            ev.TaskSubmitted(
+                task_id=ids.task_id(env, tenant, g), env=env, group_size=group_size, prompt_tokens=[1, 2, 3]
+            ),
             run_id=run_id,
             tenant=tenant,
         )
@@ -92,7 +94,12 @@ async def play(url: str, run_id: str, groups: int, group_size: int, seq_len: int
     await bus.js.publish(subjects.rollout_subject(run_id, "acme", "reverse"), b"\x00garbage")
     spoof = ev.new_event(
         ev.RolloutWithheld(
-            rollout_id="sort.globex.x-0", group_id="sort.globex.x", env="sort", reason="invalid", trainer_step=0, policy_version=0
+            rollout_id="sort.globex.x-0",
+            group_id="sort.globex.x",
+            env="sort",
+            reason="invalid",
+            trainer_step=0,
+            policy_version=0,
         ),
         run_id=run_id,
         tenant="globex",

@@ -74,7 +74,9 @@ class RunConfig(Section):
         return list(out.values())
 
     def env_routes(self) -> list[EnvRoute]:
-        return [EnvRoute(tenant=e.tenant, env=e.name, group_size=e.group_size, share=e.share) for e in self.envs]
+        return [
+            EnvRoute(tenant=e.tenant, env=e.name, group_size=e.group_size, share=e.share) for e in self.envs
+        ]
 
     def weights_dir(self, run_dir: Path) -> str | None:
         """Where weights travel when ``[bus] weights_store = "file"``: files in the run directory."""
