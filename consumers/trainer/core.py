@@ -11,10 +11,11 @@ check every recorded checksum.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from jetrl.bus import events as ev
@@ -25,6 +26,17 @@ from jetrl.policy.loss import group_advantages
 from jetrl.policy.train import Rollout
 
 CHECKPOINT_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class RolloutArrays:
+    """A rollout's arrays as read from the log or the payload store."""
+
+    prompt: np.ndarray
+    completion: np.ndarray
+    logprobs: np.ndarray
+    mask: np.ndarray | None = None
+    trace: np.ndarray | None = None  # None also when traces are not replayed
 
 
 @dataclass(frozen=True)
@@ -43,33 +55,54 @@ class TrainCore:
 
     # ------------------------------------------------------------------ one step
 
-    async def rollouts(self, bodies: Sequence[ev.RolloutScored], payloads: Payloads) -> list[Rollout]:
+    async def read_arrays(self, b: ev.RolloutScored, payloads: Payloads) -> RolloutArrays:
+        """One rollout's arrays as the step uses them (a trace only when it is replayed)."""
+        trace = None
+        if b.routing_trace is not None and self.s.replay:
+            trace = await payloads.get_array(b.routing_trace)
+        mask = None if b.completion_mask is None else await payloads.get_array(b.completion_mask)
+        return RolloutArrays(
+            prompt=await payloads.get_array(b.prompt_tokens),
+            completion=await payloads.get_array(b.completion_tokens),
+            logprobs=await payloads.get_array(b.logprobs),
+            mask=mask,
+            trace=trace,
+        )
+
+    async def rollouts(
+        self,
+        bodies: Sequence[ev.RolloutScored],
+        payloads: Payloads,
+        read: Mapping[str, RolloutArrays] | None = None,
+    ) -> list[Rollout]:
         """Training inputs in the given order; advantages are relative to each group, groups
-        being the runs of equal ``group_id`` (they may differ in size)."""
+        being the runs of equal ``group_id`` (they may differ in size). ``read``: arrays already
+        read (and checked) by rollout id; the others are read here."""
+        read = read or {}
         ids: dict[str, int] = {}
         group_idx = torch.tensor([ids.setdefault(b.group_id, len(ids)) for b in bodies])
         rewards = torch.tensor([b.reward for b in bodies], dtype=torch.float32)
         adv = group_advantages(rewards, group_idx, std_scale=self.s.std_scale_advantages)
         # Arrays that lie in the log (a rollout's are its generation's) are read ahead together.
         await payloads.prefetch(
-            [a for b in bodies for a in (b.prompt_tokens, b.completion_tokens, b.logprobs, b.routing_trace)]
+            [
+                a
+                for b in bodies
+                if b.rollout_id not in read
+                for a in (b.prompt_tokens, b.completion_tokens, b.logprobs, b.routing_trace)
+            ]
         )
         out: list[Rollout] = []
         for i, b in enumerate(bodies):
-            trace = None
-            if b.routing_trace is not None and self.s.replay:
-                trace = torch.from_numpy((await payloads.get_array(b.routing_trace)).astype("int64"))
-            mask = None
-            if b.completion_mask is not None:
-                mask = [bool(x) for x in (await payloads.get_array(b.completion_mask)).tolist()]
+            got = read.get(b.rollout_id) or await self.read_arrays(b, payloads)
             out.append(
                 Rollout(
-                    prompt_ids=(await payloads.get_array(b.prompt_tokens)).tolist(),
-                    completion_ids=(await payloads.get_array(b.completion_tokens)).tolist(),
-                    inference_logprobs=torch.from_numpy((await payloads.get_array(b.logprobs)).copy()),
+                    prompt_ids=got.prompt.tolist(),
+                    completion_ids=got.completion.tolist(),
+                    inference_logprobs=torch.from_numpy(got.logprobs.copy()),
                     advantage=float(adv[i]),
-                    routing=trace,
-                    completion_mask=mask,
+                    routing=None if got.trace is None else torch.from_numpy(got.trace.astype("int64")),
+                    completion_mask=None if got.mask is None else [bool(x) for x in got.mask.tolist()],
                 )
             )
         return out

@@ -9,6 +9,12 @@ WeightsReady), and only then acks the rollouts. Event ids derive from the step a
 version, so a step re-published after a crash is stored once; rollouts the log says were trained
 are acked and skipped if they are delivered again.
 
+Scored rollouts come from tenants' producers and may be hostile: each is checked at admission
+and its arrays again when its group is picked for a step (consumers/trainer/admission.py); a
+refused rollout is dead-lettered with its reason and the rest of its group withheld
+(``incomplete_group``), so it can neither crash the trainer nor enter a step. With several
+``[[envs]]``, a batch's groups are split between them by share (consumers/trainer/batching.py).
+
 On restart it rebuilds itself from the log (consumers/trainer/replay.py): the newest checkpoint,
 then every logged step after it re-taken and checked against its recorded checksum.
 
@@ -20,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -29,17 +34,32 @@ from pathlib import Path
 import structlog
 
 from jetrl.bus import events as ev
-from jetrl.bus import ids
+from jetrl.bus import ids, subjects
 from jetrl.bus.client import Batch, Bus, PullConsumer
 from jetrl.bus.log import get_logger
-from jetrl.bus.payloads import Payloads, PayloadStore
-from jetrl.consumers.trainer.core import TrainCore, checkpoint_version, list_checkpoints
+from jetrl.bus.payloads import PayloadError, Payloads, PayloadStore
+from jetrl.bus.streams import payload_bucket
+from jetrl.consumers.trainer.admission import (
+    GROUP_REASONS,
+    ModelLimits,
+    check_member,
+    check_read,
+    check_rollout,
+    routes_by_key,
+)
+from jetrl.consumers.trainer.batching import fill_batch
+from jetrl.consumers.trainer.core import RolloutArrays, TrainCore, checkpoint_version, list_checkpoints
 from jetrl.consumers.trainer.replay import Replayer, ReplayError, read_rollouts, read_run_log
 from jetrl.consumers.trainer.settings import TrainerPart
 from jetrl.consumers.trainer.withholding import ScoredDelivery, rollout_consumer_spec, withheld_event
+from jetrl.policy.origin import model_config_of
 
 # WeightsReady.format of each [trainer] weights_layout (docs/events.md).
 WEIGHTS_FORMATS = {"jetrl": "safetensors", "hf": "safetensors-hf"}
+# What reading a hostile rollout's arrays raises (a missing or corrupt payload, a LogArray to
+# nothing or to another array, bytes that do not fit). Connection trouble is not among them: it
+# propagates, and the trainer restarts, rather than refusing good rollouts.
+READ_ERRORS = (PayloadError, ev.EventDecodeError, ValueError, TypeError)
 
 
 @dataclass
@@ -54,6 +74,12 @@ class Group:
     @property
     def first_seq(self) -> int:
         return min(d.seq for d in self.deliveries)
+
+    @property
+    def route(self) -> tuple[str, str]:
+        """(tenant, env): the environment whose batch share it fills."""
+        d = self.deliveries[0]
+        return d.event.tenant, d.body.env
 
     def oldest_version(self) -> int:
         return min(d.body.policy_version_start for d in self.deliveries)
@@ -71,11 +97,26 @@ class Trainer:
         self.trained: set[str] = set()
         self.withheld_ids: set[str] = set()
         self.groups: dict[str, Group] = {}
+        # Groups with a dead-lettered member: the rest are withheld (incomplete_group).
+        self.rejected_groups: set[str] = set()
+        # Arrays of groups read and checked for a batch, until they are trained or settled.
+        self.vetted: dict[str, dict[str, RolloutArrays]] = {}
+        self.routes = routes_by_key(part.envs)
+        self.shares = {(r.tenant, r.env): r.share for r in part.envs}
+        mcfg = model_config_of(part.model)
+        replay_traces = settings.replay and mcfg.is_moe
+        self.limits = ModelLimits(
+            max_seq_len=mcfg.max_seq_len,
+            vocab_size=mcfg.vocab_size,
+            trace=(mcfg.num_moe_layers, mcfg.top_k, mcfg.num_experts) if replay_traces else None,
+            replay=settings.replay,
+        )
+        self.bucket = payload_bucket(run_id)
         self.payloads: Payloads | None = None
         self.weights_store: PayloadStore | None = None
         self.rewards: deque[float] = deque(maxlen=settings.reward_window)
         self.wait_s = 0.0
-        self.started = time.monotonic()
+        self.started = self.last_step_end = time.monotonic()
         self.log = get_logger(__name__, run_id=run_id, worker_id="trainer")
 
     # ---------------------------------------------------------------- start / recover
@@ -91,6 +132,7 @@ class Trainer:
             self.log.info("initial_policy_published", version=0)
             return
         self.trained = log.trained_ids()
+        self.rejected_groups = await read_rejected_groups(self.bus, self.run_id)
         for step in sorted(log.steps)[-self.s.reward_window :]:
             self.rewards.append(log.steps[step][0].metrics.get("reward_mean", 0.0))
         replayer = Replayer(self.core, self.payloads, log)
@@ -217,7 +259,8 @@ class Trainer:
             g.deliveries.sort(key=lambda d: d.body.sample_index)
         assert self.payloads is not None
         bodies = [d.body for g in groups for d in g.deliveries]
-        rollouts = await self.core.rollouts(bodies, self.payloads)
+        read = {rid: a for g in groups for rid, a in self.vetted.pop(g.group_id, {}).items()}
+        rollouts = await self.core.rollouts(bodies, self.payloads, read)
         rewards = [b.reward for b in bodies]
         stale = [self.version - b.policy_version_start for b in bodies]
         metrics = await asyncio.to_thread(self.core.train, rollouts)
@@ -241,6 +284,7 @@ class Trainer:
             trainer_idle_frac=self.wait_s / elapsed if elapsed > 0 else 0.0,
             withheld_total=float(len(self.withheld_ids)),
             groups=float(len(groups)),
+            **self.route_metrics(groups),
             **{f"reward_{k}": sum(v) / len(v) for k, v in parts.items()},
         )
         rollout_ids = [d.body.rollout_id for g in groups for d in g.deliveries]
@@ -287,16 +331,26 @@ class Trainer:
 
     async def admit(self, consumer: PullConsumer[ev.RolloutScored], d: ScoredDelivery) -> None:
         b = d.body
-        if not math.isfinite(b.reward) or b.group_size < 1 or not 0 <= b.sample_index < b.group_size:
-            await consumer.dead_letter(
-                d, "invalid", f"rollout {b.rollout_id}: reward/group fields out of range"
-            )
-            return
         if b.rollout_id in self.withheld_ids:
             await d.ack()  # withheld before a crash: stays withheld
             return
         if b.rollout_id in self.trained:
             await d.ack()  # redelivered after a crash: already trained, never twice
+            return
+        tenant = d.event.tenant
+        rejection = check_rollout(
+            b, tenant, routes=self.routes, limits=self.limits, version=self.version, bucket=self.bucket
+        )
+        g = self.groups.get(b.group_id)
+        if rejection is None and g is not None:
+            rejection = check_member(g.deliveries[0].body, b)
+        if rejection is not None:
+            await self.reject(consumer, d, *rejection)
+            return
+        if b.group_id in self.rejected_groups:
+            await self.withhold_member(
+                d, "incomplete_group", f"group {b.group_id} has a dead-lettered member"
+            )
             return
         g = self.groups.setdefault(b.group_id, Group(b.group_id))
         if any(x.body.rollout_id == b.rollout_id for x in g.deliveries):
@@ -304,27 +358,107 @@ class Trainer:
             return
         g.deliveries.append(d)
 
+    async def reject(
+        self, consumer: PullConsumer[ev.RolloutScored], d: ScoredDelivery, reason: str, detail: str
+    ) -> None:
+        """Dead-letter ``d`` (on its tenant's dead-letter subject); when the reason condemns its
+        group, withhold the members held and those still to come."""
+        b = d.body
+        await consumer.dead_letter(d, reason, f"rollout {b.rollout_id}: {detail}")
+        self.log.warning(
+            "rollout_rejected",
+            tenant=d.event.tenant,
+            env=b.env,
+            group_id=b.group_id,
+            rollout_id=b.rollout_id,
+            reason=reason,
+            detail=detail[:300],
+        )
+        if reason not in GROUP_REASONS:
+            return
+        self.rejected_groups.add(b.group_id)
+        g = self.groups.pop(b.group_id, None)
+        self.vetted.pop(b.group_id, None)
+        rest = [x for x in (g.deliveries if g else []) if x is not d]
+        if rest:
+            await self.withhold(
+                Group(b.group_id, rest),
+                "incomplete_group",
+                f"member {b.rollout_id} was dead-lettered ({reason})",
+            )
+
+    async def withhold_member(self, d: ScoredDelivery, reason: ev.WithheldReason, detail: str) -> None:
+        await self.bus.publish(withheld_event(self.run_id, d, reason, detail, self.version))
+        await d.ack()
+        self.withheld_ids.add(d.body.rollout_id)
+
+    async def vet(self, consumer: PullConsumer[ev.RolloutScored], groups: list[Group]) -> bool:
+        """Read and check the arrays of ``groups`` (each group once, kept for its step): a group
+        whose arrays cannot be read or hold impossible values is rejected instead of failing
+        the step. True when every group passed."""
+        assert self.payloads is not None
+        todo = [g for g in groups if g.group_id not in self.vetted]
+        with contextlib.suppress(*READ_ERRORS):  # read ahead; a failure is pinned on its rollout below
+            await self.payloads.prefetch(
+                [
+                    a
+                    for g in todo
+                    for d in g.deliveries
+                    for a in (
+                        d.body.prompt_tokens,
+                        d.body.completion_tokens,
+                        d.body.logprobs,
+                        d.body.routing_trace,
+                    )
+                ]
+            )
+        ok = True
+        for g in todo:
+            read: dict[str, RolloutArrays] = {}
+            for d in g.deliveries:
+                try:
+                    a = await self.core.read_arrays(d.body, self.payloads)
+                    rejection = check_read(a.prompt, a.completion, a.logprobs, a.mask, a.trace, self.limits)
+                except READ_ERRORS as exc:
+                    rejection = ("bad_arrays", f"arrays cannot be read: {exc}")
+                if rejection is not None:
+                    await self.reject(consumer, d, *rejection)
+                    ok = False
+                    break
+                read[d.body.rollout_id] = a
+            else:
+                self.vetted[g.group_id] = read
+        return ok
+
+    def route_metrics(self, groups: list[Group]) -> dict[str, float]:
+        """Groups of each environment in the step, when the run has several."""
+        if len(self.shares) < 2:
+            return {}
+        out = {f"groups.{t}.{e}": 0.0 for t, e in self.shares}
+        for g in groups:
+            t, e = g.route
+            out[f"groups.{t}.{e}"] = out.get(f"groups.{t}.{e}", 0.0) + 1.0
+        return out
+
     def ready_groups(self) -> list[Group]:
         return sorted(
             (g for g in self.groups.values() if len(g.deliveries) >= g.size), key=lambda g: g.first_seq
         )
 
-    async def run(self, stop: asyncio.Event) -> int:
+    async def start(self) -> PullConsumer[ev.RolloutScored]:
+        """Stores, recovery from the log, and the consumer of scored rollouts."""
         self.payloads = await Payloads.for_run(self.bus.js, self.run_id, weights_dir=self.part.weights_dir)
         self.weights_store = self.payloads.stores["file"] if self.part.weights_dir else self.payloads.default
         structlog.contextvars.bind_contextvars(run_id=self.run_id, worker_id="trainer")
         await self.recover()
         consumer = await self.bus.consumer(rollout_consumer_spec(self.run_id, self.s), ev.RolloutScored)
-        self.started = time.monotonic()
-        last_step_end = time.monotonic()
-        last_beat = time.monotonic()
+        self.started = self.last_step_end = time.monotonic()
+        return consumer
 
-        async def admit_all(got: Batch[ev.RolloutScored]) -> None:
-            for d in got.deliveries:
-                await self.admit(consumer, d)
-
-        async def train_when_ready() -> bool:
-            nonlocal last_step_end, last_beat
+    async def train_ready(self, consumer: PullConsumer[ev.RolloutScored]) -> bool:
+        """Withhold the stale ready groups, then take one step if ``batch_groups`` fresh groups
+        are ready, filled by the envs' shares. Returns whether it stepped."""
+        while True:
             ready = []
             for g in self.ready_groups():
                 staleness = self.version - g.oldest_version()
@@ -332,17 +466,36 @@ class Trainer:
                     ready.append(g)
                     continue
                 del self.groups[g.group_id]
+                self.vetted.pop(g.group_id, None)
                 await self.withhold(
                     g, "stale", f"staleness {staleness} > max_off_policy_steps {self.s.max_off_policy_steps}"
                 )
-            if len(ready) >= self.s.batch_groups:
-                batch = ready[: self.s.batch_groups]
-                for g in batch:
-                    del self.groups[g.group_id]
-                wait = time.monotonic() - last_step_end
-                self.wait_s += wait
-                await self.step(batch, wait)
-                last_step_end = time.monotonic()
+            if len(ready) < self.s.batch_groups:
+                return False
+            batch = fill_batch(
+                ready, self.s.batch_groups, self.shares, key=lambda g: g.route, rotate=self.version
+            )
+            if not await self.vet(consumer, batch):
+                continue  # a group was rejected: fill the batch again from what is left
+            for g in batch:
+                del self.groups[g.group_id]
+            wait = time.monotonic() - self.last_step_end
+            self.wait_s += wait
+            await self.step(batch, wait)
+            self.last_step_end = time.monotonic()
+            return True
+
+    async def run(self, stop: asyncio.Event) -> int:
+        consumer = await self.start()
+        last_beat = time.monotonic()
+
+        async def admit_all(got: Batch[ev.RolloutScored]) -> None:
+            for d in got.deliveries:
+                await self.admit(consumer, d)
+
+        async def train_when_ready() -> bool:
+            nonlocal last_beat
+            await self.train_ready(consumer)
             if time.monotonic() - last_beat > self.s.ack_wait_s / 3:
                 for g in self.groups.values():
                     for d in g.deliveries:
@@ -353,6 +506,8 @@ class Trainer:
 
         if not self.done():
             # Handler errors propagate: a trainer that cannot take its step restarts and recovers.
+            # A hostile rollout never gets there: it is refused at admission or when its group
+            # is vetted for a step (consumers/trainer/admission.py).
             await consumer.run_batches(
                 admit_all,
                 batch=256,
@@ -374,3 +529,21 @@ class Trainer:
             idle_frac=round(self.wait_s / max(time.monotonic() - self.started, 1e-9), 3),
         )
         return 0
+
+
+async def read_rejected_groups(bus: Bus, run_id: str) -> set[str]:
+    """The groups of rollouts this trainer dead-lettered for a reason that condemns the group
+    (from the run's dead letters), so that a restarted trainer withholds their other members
+    instead of holding them for a member that will never come."""
+    out: set[str] = set()
+    for item in await bus.read_log(run_id, filter_subject=subjects.all_dlq_subjects(run_id)):
+        b = item.event.body if item.event else None
+        if not isinstance(b, ev.DeadLettered) or b.consumer != "trainer" or b.reason not in GROUP_REASONS:
+            continue
+        try:
+            original = ev.decode_event(b.original_data, b.original_headers)
+        except ev.EventDecodeError:
+            continue
+        if isinstance(original.body, ev.RolloutScored):
+            out.add(original.body.group_id)
+    return out

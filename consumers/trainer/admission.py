@@ -1,0 +1,221 @@
+"""What the trainer refuses at its edge, and why (torch-free).
+
+A RolloutScored comes from a tenant's producer, which may run anywhere and be hostile. The
+bus already dead-letters events that are undecodable or not on their own subject; these checks
+cover what only the trainer knows: the run's environments, its model's context, vocabulary and
+routing layout, and its current version. Each returns None or a ``(reason, detail)`` pair whose
+reason is the dead-letter slug the producer reads on its own dead-letter subject.
+
+Two stages: :func:`check_rollout` needs only the event (admission, before the rollout is held);
+:func:`check_read` looks at the arrays, which are read at step time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from jetrl.bus import events as ev
+from jetrl.bus import ids
+from jetrl.bus.settings import EnvRoute
+
+Rejection = tuple[str, str]  # (reason slug, detail)
+
+TOKEN_DTYPES = frozenset({"uint8", "uint16", "int32", "int64"})
+FLOAT_DTYPES = frozenset({"float16", "float32", "float64"})  # bfloat16: numpy cannot read it
+TRACE_DTYPES = TOKEN_DTYPES
+# Rewards become float32 advantages (squared when std-scaled): far below float32's overflow.
+MAX_ABS_REWARD = 1e9
+
+# Reasons that condemn the rollout's whole group (its ids are the tenant's own, so the group is
+# too); the other members are withheld as incomplete. Not "unknown_env"/"bad_ids": those name
+# a group that is not the tenant's to spoil.
+GROUP_REASONS = frozenset(
+    {
+        "invalid_group",
+        "non_finite",
+        "reward_range",
+        "bad_version",
+        "future_version",
+        "bad_arrays",
+        "bad_tokens",
+        "too_long",
+    }
+)
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the trainer's model accepts."""
+
+    max_seq_len: int  # prompt + completion tokens
+    vocab_size: int  # token ids lie in [0, vocab_size)
+    # (moe_layers, top_k, num_experts) when routing traces are read and replayed (an MoE model
+    # with [trainer] replay on): every rollout needs one. None: traces are never read, except
+    # that a dense model with replay on still reads one and refuses it.
+    trace: tuple[int, int, int] | None = None
+    replay: bool = True
+
+
+RouteKey = tuple[str, str]  # (tenant, env)
+
+
+def routes_by_key(routes: list[EnvRoute]) -> dict[RouteKey, EnvRoute]:
+    return {(r.tenant, r.env): r for r in routes}
+
+
+def check_rollout(
+    b: ev.RolloutScored,
+    tenant: str,
+    *,
+    routes: Mapping[RouteKey, EnvRoute],
+    limits: ModelLimits,
+    version: int,
+    bucket: str | None = None,
+) -> Rejection | None:
+    """Why rollout ``b`` of ``tenant`` (the envelope's, which the bus checked against the
+    subject) cannot be trained at trainer version ``version``, else None. ``routes`` empty: any
+    environment. ``bucket``: the run's payload bucket, the only one a reference may name."""
+    route = routes.get((tenant, b.env))
+    if routes and route is None:
+        return "unknown_env", f"tenant {tenant!r} has no environment {b.env!r} in this run"
+    # A tenant's ids are in its own namespace, so it cannot squat another's rollout or group ids
+    # (the trainer's dedup sets and groups are keyed by them).
+    prefix = ids.task_prefix(b.env, tenant)
+    if not b.group_id.startswith(prefix) or not b.task_id.startswith(prefix):
+        return "bad_ids", f"group {b.group_id!r} / task {b.task_id!r} outside the tenant's {prefix!r}"
+    if b.rollout_id != ids.rollout_id(b.group_id, b.sample_index):
+        return "bad_ids", f"rollout id {b.rollout_id!r} is not <group_id>-<sample_index>"
+    if b.group_size < 2:
+        return "invalid_group", f"group_size {b.group_size} < 2: no group-relative advantage"
+    if route is not None and b.group_size != route.group_size:
+        return "invalid_group", f"group_size {b.group_size}, the env's is {route.group_size}"
+    if not 0 <= b.sample_index < b.group_size:
+        return "invalid_group", f"sample_index {b.sample_index} outside [0, {b.group_size})"
+    bad = [k for k, v in b.reward_parts.items() if not math.isfinite(v)]
+    if not math.isfinite(b.reward) or bad:
+        return "non_finite", f"reward {b.reward!r}, non-finite parts {bad}"
+    if abs(b.reward) > MAX_ABS_REWARD:
+        return "reward_range", f"|reward| {b.reward!r} > {MAX_ABS_REWARD:g}"
+    start, end = b.policy_version_start, b.policy_version_end
+    if start < 0 or start > end:
+        return "bad_version", f"policy versions {start}..{end}"
+    if end > version:
+        return "future_version", f"policy version {end} does not exist yet (the trainer is at {version})"
+    return _check_shapes(b, limits, bucket)
+
+
+def check_member(group: ev.RolloutScored, b: ev.RolloutScored) -> Rejection | None:
+    """``b`` against a member ``group`` already held of the same group."""
+    if b.group_size != group.group_size:
+        return "invalid_group", f"group_size {b.group_size}, its group's members say {group.group_size}"
+    return None
+
+
+class _Refused(Exception):
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.rejection: Rejection = (reason, detail)
+
+
+def _declared(ref: ev.ArrayRef, what: str, bucket: str | None) -> tuple[str, tuple[int, ...]]:
+    """The dtype and shape a reference declares (what get_array will return)."""
+    if isinstance(ref, ev.PayloadRef) and (ref.dtype is None or ref.shape is None):
+        raise _Refused("bad_arrays", f"{what}: a blob reference without dtype/shape")
+    dtype, shape = ref.dtype, ref.shape
+    assert dtype is not None and shape is not None
+    if dtype not in TOKEN_DTYPES | FLOAT_DTYPES or any(s < 0 for s in shape):
+        raise _Refused("bad_arrays", f"{what}: {dtype}{list(shape)} cannot be read")
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    if isinstance(ref, ev.InlineArray) and len(ref.data) != nbytes:
+        raise _Refused(
+            "bad_arrays", f"{what}: {dtype}{list(shape)} needs {nbytes} bytes, carries {len(ref.data)}"
+        )
+    if isinstance(ref, ev.PayloadRef):
+        if ref.size != nbytes:
+            raise _Refused(
+                "bad_arrays", f"{what}: {dtype}{list(shape)} needs {nbytes} bytes, refers to {ref.size}"
+            )
+        if bucket is not None and ref.bucket != bucket:
+            raise _Refused("bad_arrays", f"{what}: refers to bucket {ref.bucket!r}, not the run's")
+    return dtype, tuple(shape)
+
+
+def _vector(
+    ref: ev.ArrayRef, what: str, dtypes: frozenset[str], bucket: str | None, length: int | None = None
+) -> int:
+    """The length of a 1-D array of one of ``dtypes`` (of ``length`` entries when given)."""
+    dtype, shape = _declared(ref, what, bucket)
+    if dtype not in dtypes or len(shape) != 1:
+        raise _Refused("bad_arrays", f"{what}: {dtype}{list(shape)}, expected 1-D of {sorted(dtypes)}")
+    if length is not None and shape[0] != length:
+        raise _Refused("bad_arrays", f"{what}: {shape[0]} entries for {length} completion tokens")
+    return shape[0]
+
+
+def _check_shapes(b: ev.RolloutScored, limits: ModelLimits, bucket: str | None) -> Rejection | None:
+    try:
+        _shapes(b, limits, bucket)
+    except _Refused as exc:
+        return exc.rejection
+    return None
+
+
+def _shapes(b: ev.RolloutScored, limits: ModelLimits, bucket: str | None) -> None:
+    p = _vector(b.prompt_tokens, "prompt_tokens", TOKEN_DTYPES, bucket)
+    c = _vector(b.completion_tokens, "completion_tokens", TOKEN_DTYPES, bucket)
+    if p < 1 or c < 1:
+        raise _Refused("bad_arrays", f"needs >= 1 prompt and >= 1 completion token, got {p}+{c}")
+    _vector(b.logprobs, "logprobs", FLOAT_DTYPES, bucket, c)
+    if b.completion_mask is not None:
+        _vector(b.completion_mask, "completion_mask", frozenset({"uint8"}), bucket, c)
+    if p + c > limits.max_seq_len:
+        raise _Refused(
+            "too_long", f"{p} prompt + {c} completion tokens > the model's context of {limits.max_seq_len}"
+        )
+    if not limits.replay:
+        return  # traces are never read
+    if b.routing_trace is None:
+        if limits.trace is not None:
+            raise _Refused(
+                "bad_arrays", "no routing_trace: this MoE run replays routing (every rollout needs one)"
+            )
+        return
+    if limits.trace is None:
+        raise _Refused("bad_arrays", "a routing_trace for a dense model")
+    dtype, shape = _declared(b.routing_trace, "routing_trace", bucket)
+    layers, top_k, _ = limits.trace
+    want = (p + c - 1, layers, top_k)  # every token fed forward: all but the last
+    if dtype not in TRACE_DTYPES or shape != want:
+        raise _Refused(
+            "bad_arrays", f"routing_trace: {dtype}{list(shape)}, expected integers of shape {list(want)}"
+        )
+
+
+def check_read(
+    prompt: np.ndarray,
+    completion: np.ndarray,
+    logprobs: np.ndarray,
+    mask: np.ndarray | None,
+    trace: np.ndarray | None,
+    limits: ModelLimits,
+) -> Rejection | None:
+    """The arrays as read (their shapes are the declared ones, checked at admission)."""
+    for what, arr in (("prompt", prompt), ("completion", completion)):
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= limits.vocab_size):
+            return "bad_tokens", f"{what} token ids outside [0, {limits.vocab_size})"
+    if not np.isfinite(logprobs).all():
+        return "non_finite", "non-finite inference logprobs"
+    if mask is not None and not np.isin(mask, (0, 1)).all():
+        return "bad_arrays", "completion_mask values other than 0 and 1"
+    if trace is not None and limits.trace is not None and trace.size:
+        experts = limits.trace[2]
+        if int(trace.min()) < 0 or int(trace.max()) >= experts:
+            return "bad_arrays", f"routing_trace expert ids outside [0, {experts})"
+        ordered = np.sort(trace.astype(np.int64), axis=-1)
+        if (np.diff(ordered, axis=-1) == 0).any():
+            return "bad_arrays", "routing_trace repeats an expert within a token's top-k"
+    return None

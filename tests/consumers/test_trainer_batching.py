@@ -1,0 +1,150 @@
+"""Weighted batch filling: each environment's share of a batch (largest remainder), filled in
+arrival order, slots it cannot fill given to the others (work-conserving); and a trainer on a
+real server whose flooding tenant gets only its share while the other has ready groups."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+
+from jetrl.bus import events as ev
+from jetrl.bus.client import Bus
+from jetrl.bus.payloads import inline_array
+from jetrl.bus.settings import EnvRoute
+from jetrl.consumers.trainer.batching import fill_batch, split_slots
+from jetrl.consumers.trainer.settings import TrainerPart, TrainerSettings
+from jetrl.consumers.trainer.trainer import Trainer
+
+# ------------------------------------------------------------------------ pure functions
+
+
+def test_slots_split_by_share_with_largest_remainder() -> None:
+    assert split_slots(4, {"a": 1.0, "b": 1.0}) == {"a": 2, "b": 2}
+    assert split_slots(4, {"a": 3.0, "b": 1.0}) == {"a": 3, "b": 1}
+    assert split_slots(5, {"a": 0.5, "b": 0.3, "c": 0.2}) == {"a": 3, "b": 1, "c": 1}  # 2.5, 1.5, 1
+    assert split_slots(7, {"a": 0.1, "b": 0.2, "c": 0.7}) == {"a": 1, "b": 1, "c": 5}  # 0.7, 1.4, 4.9
+    # Equal remainders: in order from `rotate`, so they take turns batch by batch.
+    assert split_slots(4, {"a": 1.0, "b": 1.0, "c": 1.0}) == {"a": 2, "b": 1, "c": 1}
+    assert split_slots(4, {"a": 1.0, "b": 1.0, "c": 1.0}, rotate=1) == {"a": 1, "b": 2, "c": 1}
+    assert split_slots(4, {"a": 1.0, "b": 1.0, "c": 1.0}, rotate=5) == {"a": 1, "b": 1, "c": 2}
+    assert split_slots(0, {"a": 1.0}) == {"a": 0}
+    assert split_slots(3, {}) == {}
+
+
+def test_slots_always_add_up_and_stay_within_one_of_the_exact_share() -> None:
+    for slots, shares in itertools.product(range(1, 13), [(1, 1), (1, 2, 3), (0.1, 0.7, 5.0, 2.2), (9, 1)]):
+        named = {f"e{i}": float(s) for i, s in enumerate(shares)}
+        for rotate in range(3):
+            got = split_slots(slots, named, rotate)
+            assert sum(got.values()) == slots
+            total = sum(named.values())
+            assert all(abs(got[k] - slots * v / total) < 1 for k, v in named.items())
+
+
+def env_of(g: str) -> str:
+    return g[0]
+
+
+def test_a_flooding_env_gets_only_its_share_while_others_have_work() -> None:
+    ready = [f"a{i}" for i in range(10)] + ["b0", "b1", "a10"]
+    got = fill_batch(ready, 4, {"a": 1.0, "b": 1.0}, key=env_of)
+    assert got == ["a0", "a1", "b0", "b1"]  # arrival order within and across envs
+
+
+def test_slots_an_env_cannot_fill_go_to_the_others_in_arrival_order() -> None:
+    ready = ["a0", "b0", "a1", "a2", "a3", "a4"]
+    assert fill_batch(ready, 4, {"a": 1.0, "b": 1.0}, key=env_of) == ["a0", "b0", "a1", "a2"]
+    assert fill_batch(["b0", "a0"], 4, {"a": 1.0, "b": 1.0}, key=env_of) == ["b0", "a0"]  # all there is
+    # An env of no share only takes what is left over.
+    assert fill_batch(["x0", "a0", "b0", "x1"], 3, {"a": 1.0, "b": 1.0}, key=env_of) == ["x0", "a0", "b0"]
+    assert fill_batch(["x0", "x1", "a0", "b0"], 2, {"a": 1.0, "b": 1.0}, key=env_of) == ["a0", "b0"]
+
+
+def test_without_shares_the_batch_is_the_first_in_arrival_order() -> None:
+    assert fill_batch(["a0", "a1", "b0"], 2, {}, key=env_of) == ["a0", "a1"]
+
+
+def test_unequal_shares() -> None:
+    ready = ["b0", "b1", "b2"] + [f"a{i}" for i in range(8)]
+    assert fill_batch(ready, 4, {"a": 3.0, "b": 1.0}, key=env_of) == ["b0", "a0", "a1", "a2"]
+
+
+# ------------------------------------------------------------------------ a trainer on a real server
+
+
+def rollout(run_id: str, tenant: str, env: str, n: int, i: int) -> ev.Event:
+    group = f"{env}.{tenant}.{n}"
+    prompt, completion = [1, 2, 3], [4 + i, 5]
+    body = ev.RolloutScored(
+        rollout_id=f"{group}-{i}",
+        generation_event_id=f"gen-{group}-{i}",
+        task_id=group,
+        env=env,
+        group_id=group,
+        sample_index=i,
+        group_size=2,
+        reward=float(i),
+        prompt_tokens=inline_array(np.asarray(prompt, np.int32)),
+        completion_tokens=inline_array(np.asarray(completion, np.int32)),
+        logprobs=inline_array(np.full(len(completion), -0.5, np.float32)),
+        routing_trace=inline_array(np.broadcast_to(np.asarray([0, 1], np.uint8), (4, 2, 2)).copy()),
+        policy_version_start=0,
+        policy_version_end=0,
+    )
+    return ev.new_event(body, run_id=run_id, tenant=tenant)
+
+
+async def test_a_trainer_fills_batches_by_share_and_never_waits_for_a_slow_tenant(
+    bus: Bus, run_id: str, tmp_path: Path
+) -> None:
+    # acme floods (6 groups first), globex has 2: the first batch of 4 is 2 and 2; the second
+    # is acme's alone, since globex has nothing ready.
+    for n in range(6):
+        for i in range(2):
+            await bus.publish(rollout(run_id, "acme", "math", n, i))
+    for n in range(2):
+        for i in range(2):
+            await bus.publish(rollout(run_id, "globex", "code", n, i))
+    part = TrainerPart(
+        trainer=TrainerSettings(batch_groups=4, max_steps=10, checkpoint_every=0),
+        envs=[
+            EnvRoute(tenant="acme", env="math", group_size=2),
+            EnvRoute(tenant="globex", env="code", group_size=2),
+        ],
+    )
+    trainer = Trainer(bus, run_id, part, tmp_path)
+    consumer = await trainer.start()
+    # Everything admitted before any step, so what a step takes does not depend on fetch sizes.
+    held = 0
+    for _ in range(200):
+        got = await consumer.fetch(64, timeout=0.5)
+        for d in got:
+            await trainer.admit(consumer, d)
+        held += len(got)
+        if held >= 16:
+            break
+    assert held == 16
+
+    assert await trainer.train_ready(consumer)
+    assert await trainer.train_ready(consumer)
+    assert not await trainer.train_ready(consumer)  # nothing left
+    log = await bus.read_log(run_id)
+    steps = {
+        i.event.body.step: i.event.body for i in log if i.event and isinstance(i.event.body, ev.StepCompleted)
+    }
+    groups = {s: sorted({r.rsplit("-", 1)[0] for r in b.rollout_ids}) for s, b in steps.items()}
+    assert groups == {
+        0: ["code.globex.0", "code.globex.1", "math.acme.0", "math.acme.1"],
+        1: ["math.acme.2", "math.acme.3", "math.acme.4", "math.acme.5"],
+    }
+    # Training order is arrival order, and the step says how many groups each env had.
+    assert [r.rsplit("-", 1)[0] for r in steps[0].rollout_ids][::2] == [
+        "math.acme.0",
+        "math.acme.1",
+        "code.globex.0",
+        "code.globex.1",
+    ]
+    assert steps[0].metrics["groups.acme.math"] == 2 and steps[0].metrics["groups.globex.code"] == 2
+    assert steps[1].metrics["groups.acme.math"] == 4 and steps[1].metrics["groups.globex.code"] == 0
