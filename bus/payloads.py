@@ -157,6 +157,23 @@ class FilePayloads:
             raise PayloadMissing(f"payload {path} not found") from None
 
 
+class NoPayloadStore:
+    """Where a reader has no payload store it may use (a tenant's producer: the run's store is
+    jetrl's): every array travels inline, and a reference it meets is refused clearly."""
+
+    kind = "none"
+
+    async def put(self, name: str, data: bytes) -> ev.PayloadRef:
+        raise PayloadError(
+            f"{name}: {len(data)} bytes is past what an event carries here, and there is no payload store"
+        )
+
+    async def get_bytes(self, ref: ev.PayloadRef) -> bytes:
+        raise PayloadError(
+            f"payload {ref.bucket}/{ref.name} is in the run's payload store, which this identity cannot read"
+        )
+
+
 def _ref(store: ObjectStorePayloads | FilePayloads, name: str, data: bytes, digest: str) -> ev.PayloadRef:
     return ev.PayloadRef(store=store.kind, bucket=store.bucket, name=name, size=len(data), sha256=digest)
 

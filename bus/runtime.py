@@ -69,13 +69,14 @@ def part_main(
     ap.add_argument("--nats-url", required=True)
     ap.add_argument("--run", required=True)
     ap.add_argument("--settings", default="{}", help="settings as JSON, or @path to a JSON file")
+    ap.add_argument("--creds", default=None, help="the identity's credentials file (servers with auth)")
     if options is not None:
         options(ap)
     args = ap.parse_args(argv)
     settings = load_settings(settings_model, args.settings)
 
     async def go(stop: asyncio.Event) -> int | None:
-        bus = await Bus.connect(args.nats_url, name=client_name(args, settings))
+        bus = await Bus.connect(args.nats_url, name=client_name(args, settings), creds=args.creds)
         try:
             return await body(bus, args, settings, stop)
         finally:

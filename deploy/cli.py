@@ -20,6 +20,7 @@ _COMMAND_MODULES = [
     "jetrl.deploy.export_cmd",
     "jetrl.deploy.tiny_hf_cmd",
     "jetrl.deploy.tenants_cmd",
+    "jetrl.deploy.producer_cmd",
 ]
 
 
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     own, overrides = split_overrides(argv)
     args = build_parser().parse_args(own)
     if overrides:
-        if args.command not in ("run", "resume"):
+        if args.command not in ("run", "resume", "producer"):
             build_parser().error(f"unrecognized arguments: {' '.join(overrides)}")
         args.overrides = overrides
     return int(args.func(args) or 0)

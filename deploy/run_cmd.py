@@ -10,6 +10,7 @@ from pathlib import Path
 from jetrl.bus.log import configure
 from jetrl.deploy.config import ConfigError, load_config
 from jetrl.deploy.supervisor import Supervisor
+from jetrl.deploy.tenants_cmd import tenants_dir
 
 
 def main(args: argparse.Namespace) -> int:
@@ -21,7 +22,14 @@ def main(args: argparse.Namespace) -> int:
         return 2
     run_id = args.run_id or f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(args.runs_dir or cfg.run.runs_dir) / run_id
-    sup = Supervisor(cfg, run_id, run_dir, nats_url=args.nats_url, db_url=args.db)
+    sup = Supervisor(
+        cfg,
+        run_id,
+        run_dir,
+        nats_url=args.nats_url,
+        db_url=args.db,
+        tenants_dir=Path(tenants_dir(args.tenants_dir)),
+    )
     return asyncio.run(sup.run())
 
 
@@ -37,6 +45,12 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--db", default=None, help="store URL (default: SQLite file in the run directory)")
     p.add_argument("--run-id", default=None)
     p.add_argument("--runs-dir", default=None)
+    p.add_argument(
+        "--tenants-dir",
+        default=None,
+        help="the deployment's tenants (default $JETRL_TENANTS_DIR or runs/tenants): with any, every "
+        "client authenticates",
+    )
     p.set_defaults(func=main, overrides=[])
 
 

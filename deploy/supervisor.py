@@ -32,11 +32,12 @@ from jetrl.bus import ids, subjects
 from jetrl.bus.client import Bus
 from jetrl.bus.log import get_logger
 from jetrl.bus.server import EmbeddedServer
-from jetrl.bus.streams import run_usage
+from jetrl.bus.streams import ensure_tenant_view, run_usage
 from jetrl.consumers.recorder.settings import RecorderPart
 from jetrl.consumers.trainer.withholding import close_out
 from jetrl.deploy.config import RunConfig, library_versions
 from jetrl.deploy.report import RunReport
+from jetrl.deploy.tenants import ADMIN, TenantRegistry
 from jetrl.store import queries
 from jetrl.store.db import open_store
 
@@ -86,6 +87,7 @@ class Supervisor:
         nats_url: str | None = None,
         db_url: str | None = None,
         quiet: bool = False,
+        tenants_dir: Path | None = None,
     ) -> None:
         self.cfg = cfg
         self.run_id = subjects.check_token(run_id, "run id")
@@ -100,6 +102,11 @@ class Supervisor:
         self.unfinished = 0  # rollouts withheld as run_finished at the end
         self.warned_full: set[str] = set()  # streams past USAGE_WARN of their limit
         self.log = log.bind(run_id=run_id)
+        # Tenants: when the deployment has any, the server authenticates every client and each
+        # part connects as its own identity (deploy/tenants.py).
+        reg = TenantRegistry(tenants_dir) if tenants_dir is not None else None
+        self.registry = reg if reg is not None and reg.has_tenants() else None
+        self.registry_mtime = 0.0
 
     # ------------------------------------------------------------------ processes
 
@@ -109,22 +116,43 @@ class Supervisor:
         path.write_text(settings.model_dump_json(indent=2))
         return f"@{path}"
 
+    def creds(self, identity: str) -> list[str]:
+        """The ``--creds`` a part connects with (none on a server without authentication)."""
+        if self.registry is None:
+            return []
+        return ["--creds", str(self.registry.creds_path(identity))]
+
+    def producer_identity(self, tenant: str) -> str:
+        """A registered tenant's envs run as that tenant (through its view, as on its own
+        machine); the others as jetrl's producer."""
+        reg = self.registry
+        return tenant if reg is not None and tenant in {t.name for t in reg.tenants()} else "producer"
+
     def plan(self, url: str) -> list[Part]:
-        def argv(module: str, *extra: str) -> list[str]:
-            return [sys.executable, "-m", module, "--nats-url", url, "--run", self.run_id, *extra]
+        def argv(module: str, identity: str, *extra: str) -> list[str]:
+            return [
+                *(sys.executable, "-m", module, "--nats-url", url, "--run", self.run_id),
+                *self.creds(identity),
+                *extra,
+            ]
 
         parts = [
             Part(
                 f"env-{pp.env.tenant}-{pp.env.name}-{k}",
-                argv("jetrl.producers", "--settings", self._settings_file(f"env-{k}", pp)),
+                argv(
+                    "jetrl.producers",
+                    self.producer_identity(pp.env.tenant),
+                    *("--settings", self._settings_file(f"env-{k}", pp)),
+                ),
             )
             for k, pp in enumerate(self.cfg.producer_parts())
+            if not pp.env.remote  # its tenant runs it (`jetrl producer`)
         ]
         inf = self._settings_file("inference", self.cfg.inference_part(self.run_dir))
         parts += [
             Part(
                 f"inference-{i}",
-                argv("jetrl.consumers.inference", "--worker-id", f"inf-{i}", "--settings", inf),
+                argv("jetrl.consumers.inference", "inference", "--worker-id", f"inf-{i}", "--settings", inf),
                 threads=self.cfg.inference.threads,
             )
             for i in range(self.cfg.inference.workers)
@@ -134,6 +162,7 @@ class Supervisor:
                 "trainer",
                 argv(
                     "jetrl.consumers.trainer",
+                    "trainer",
                     *("--run-dir", str(self.run_dir)),
                     *("--settings", self._settings_file("trainer", self.cfg.trainer_part(self.run_dir))),
                 ),
@@ -142,7 +171,7 @@ class Supervisor:
         )
         if self.cfg.store.recorder:
             rec = self._settings_file("recorder", RecorderPart(db=self.db_url))
-            parts.append(Part("recorder", argv("jetrl.consumers.recorder", "--settings", rec)))
+            parts.append(Part("recorder", argv("jetrl.consumers.recorder", "recorder", "--settings", rec)))
         return parts
 
     def start(self, part: Part) -> None:
@@ -154,6 +183,33 @@ class Supervisor:
                 part.argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
         self.log.info("part_started", part=part.name, pid=part.proc.pid, restarts=part.restarts)
+
+    def join_tenants(self, reg: TenantRegistry) -> None:
+        """The registered tenants whose envs this run lists join it (so their identities may
+        publish on its subjects); jetrl's own identities are made if missing."""
+        reg.ensure_jetrl_identities()
+        known = {t.name for t in reg.tenants()}
+        for tenant in {e.tenant for e in self.cfg.envs} & known:
+            reg.add(tenant, [self.run_id])
+        reg.save()
+
+    async def ensure_views(self, bus: Bus) -> None:
+        """Every tenant that joined the run reads it through its view: made at the start, and
+        for a tenant that joins while the run goes on (the registry file changes)."""
+        reg = self.registry
+        if reg is None:
+            return
+        with contextlib.suppress(OSError):
+            mtime = reg.path.stat().st_mtime
+            if mtime == self.registry_mtime:
+                return
+            self.registry_mtime = mtime
+            reg = self.registry = TenantRegistry(reg.dir)
+        for tenant in reg.tenants_of(self.run_id):
+            try:
+                await ensure_tenant_view(bus.js, self.run_id, tenant, self.cfg.bus.limits())
+            except Exception as exc:  # a view is the tenant's way in, not the run's: keep going
+                self.log.warning("tenant_view_failed", tenant=tenant, error=repr(exc))
 
     async def already_started(self, bus: Bus) -> bool:
         """A resumed run keeps its first RunStarted (and the config recorded there)."""
@@ -265,16 +321,25 @@ class Supervisor:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(self.cfg.model_dump_json(indent=2))
         url = self.nats_url
+        reg = self.registry
+        if reg is not None:
+            self.join_tenants(reg)
         if url is None:
-            self.server = EmbeddedServer(self.run_dir / "nats").start()
+            self.server = EmbeddedServer(
+                self.run_dir / "nats",
+                auth_conf=reg.auth_conf if reg else None,
+                pid_dir=reg.servers_dir if reg else None,
+            ).start()
             url = self.server.url
         (self.run_dir / "nats_url").write_text(url)  # for `jetrl gateway` and other clients
-        bus = await Bus.connect(url, name="supervisor")
+        admin = None if reg is None else str(reg.creds_path(ADMIN))
+        bus = await Bus.connect(url, name="supervisor", creds=admin)
         status: ev.RunStatus
         status, reason = "failed", ""
         follower: asyncio.Task[None] | None = None
         try:
             await bus.ensure_run(self.run_id, self.cfg.bus.limits())
+            await self.ensure_views(bus)
             resumed = await self.already_started(bus)
             if not resumed:
                 await bus.publish(
@@ -313,6 +378,7 @@ class Supervisor:
                 if time.monotonic() >= next_usage:
                     next_usage = time.monotonic() + USAGE_EVERY_S
                     await self.check_usage(bus)
+                    await self.ensure_views(bus)
                 if budget is not None and time.monotonic() - t_start > budget:
                     status, reason = "completed", f"time budget of {budget:.0f}s reached"
                     self.say(f"time budget of {budget:.0f}s reached")

@@ -145,7 +145,7 @@ class Evaluator:
             return
         p = self.p
         subj = subjects.eval_subject(p.run_id, self.s.tenant, self.s.name)
-        async for item in p.bus.tail(p.run_id, filter_subject=subj, to_head=True):
+        async for item in p.tail(subj, to_head=True):
             b = item.event.body if item.event else None
             if isinstance(b, ev.EvaluationReported) and b.policy_version in self.evals:
                 self.evals[b.policy_version].reported = True
@@ -156,7 +156,7 @@ class Evaluator:
         seqs = [e.first_seq for e in open_ if e.first_seq is not None]
         if seqs:
             gens = subjects.generation_subject(p.run_id, self.s.tenant, self.s.name)
-            async for item in p.bus.tail(p.run_id, from_seq=min(seqs), filter_subject=gens, to_head=True):
+            async for item in p.tail(gens, from_seq=min(seqs), to_head=True):
                 g = item.event.body if item.event else None
                 task = p.tasks.get(g.task_id) if isinstance(g, ev.GenerationCompleted) else None
                 if isinstance(g, ev.GenerationCompleted) and task is not None and ids.is_eval_task(g.task_id):
@@ -179,7 +179,9 @@ class Evaluator:
         """The newest StepCompleted's version: one direct get, not a read of every step."""
         p = self.p
         with contextlib.suppress(Exception):  # no step yet (or a server without direct get)
-            msg = await p.bus.js.get_last_msg(stream_name(p.run_id), subjects.step_subject(p.run_id))
+            msg = await p.bus.js.get_last_msg(
+                p.view or stream_name(p.run_id), subjects.step_subject(p.run_id)
+            )
             b = ev.decode_event(msg.data or b"").body
             if isinstance(b, ev.StepCompleted):
                 return b.policy_version

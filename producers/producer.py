@@ -14,6 +14,12 @@ Evaluation (producers/evaluation.py): every ``eval_every`` policy versions, the 
 held-out split, scored into one EvaluationReported instead of rollouts.
 
 Restart: what was submitted, trained and withheld is re-read from the log.
+
+A tenant's producer (connected with a tenant's credentials, on any machine) reads the run only
+through its view (bus/streams.py), the only stream its identity may read, and carries every
+array inline: the run's payload store is jetrl's. Tasks refused by inference (a quota, a bad
+value) come back as dead letters on the tenant's own subject; their groups are counted as
+resolved, so that the window does not wait for them.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import asyncio
 import contextlib
 import math
 import random
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -30,9 +37,10 @@ import structlog
 
 from jetrl.bus import events as ev
 from jetrl.bus import ids, subjects
-from jetrl.bus.client import Bus, ConsumerSpec, Delivery, Reject
+from jetrl.bus.client import Bus, ConsumerSpec, Delivery, Reject, TailItem
 from jetrl.bus.log import get_logger
-from jetrl.bus.payloads import ObjectStorePayloads, Payloads, log_array
+from jetrl.bus.payloads import NoPayloadStore, ObjectStorePayloads, PayloadError, Payloads, log_array
+from jetrl.bus.streams import StreamLimits, view_stream_name
 from jetrl.policy.tokenizer import tokenizer_for
 from jetrl.producers.environments import Environment, FollowUp, Score, make_environment
 from jetrl.producers.evaluation import Evaluator
@@ -58,6 +66,14 @@ class EnvProducer:
         self.scored = 0
         self.latency_rng = random.Random(part.seed + 17)
         self.log = get_logger(__name__, run_id=run_id, tenant=settings.tenant, env=settings.name)
+        ident = bus.identity
+        if ident is not None and ident.tenant is not None and ident.tenant != settings.tenant:
+            raise ValueError(
+                f"identity {ident.name!r} cannot feed env {settings.name!r} of tenant {settings.tenant!r}"
+            )
+        # A tenant reads the run through its view; jetrl's own producers read the log.
+        self.view = view_stream_name(run_id, settings.tenant) if ident and ident.tenant else None
+        self.refused = 0
         self.evaluator = Evaluator(self)
 
     @property
@@ -72,10 +88,43 @@ class EnvProducer:
 
     # ---------------------------------------------------------------- log watchers
 
+    def tail(
+        self, subject: str, *, from_seq: int | None = None, to_head: bool = False
+    ) -> AsyncIterator[TailItem]:
+        """Read ``subject`` of the run in order: from the log, or from the tenant's view (whose
+        sequences are its own: items carry the log's, so ``from_seq`` is not used there)."""
+        if self.view is not None:
+            return self.bus.tail(self.run_id, filter_subject=subject, to_head=to_head, stream=self.view)
+        return self.bus.tail(self.run_id, filter_subject=subject, from_seq=from_seq, to_head=to_head)
+
+    async def wait_for_view(self, stop: asyncio.Event) -> bool:
+        """A tenant's view is made by jetrl (the run's supervisor, or `jetrl tenants join
+        --nats-url`); a producer started first waits for it, saying what it waits for."""
+        if self.view is None:
+            return True
+        said = False
+        while not stop.is_set():
+            try:
+                await self.bus.js.stream_info(self.view)
+                return True
+            except Exception as exc:
+                if not said:
+                    self.log.warning(
+                        "waiting_for_view",
+                        view=self.view,
+                        hint="the run has not started, or this tenant has not joined it "
+                        "(`jetrl tenants join TENANT RUN`)",
+                        error=repr(exc)[:200],
+                    )
+                    said = True
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=2.0)
+        return False
+
     async def catch_up(self) -> None:
         """Tasks this producer submitted before a restart (their answers are needed to score)."""
         subj = subjects.task_subject(self.run_id, self.s.tenant, self.s.name)
-        async for item in self.bus.tail(self.run_id, filter_subject=subj, to_head=True):
+        async for item in self.tail(subj, to_head=True):
             b = item.event.body if item.event else None
             if isinstance(b, ev.TaskSubmitted):
                 self.tasks[b.task_id] = b
@@ -85,7 +134,7 @@ class EnvProducer:
                     self.submitted = max(self.submitted, int(ids.task_number(b.task_id)) + 1)
 
     async def watch_steps(self) -> None:
-        async for item in self.bus.tail(self.run_id, filter_subject=subjects.step_subject(self.run_id)):
+        async for item in self.tail(subjects.step_subject(self.run_id)):
             b = item.event.body if item.event else None
             if isinstance(b, ev.StepCompleted):
                 self.trainer_version = max(self.trainer_version, b.policy_version)
@@ -97,11 +146,33 @@ class EnvProducer:
 
     async def watch_withheld(self) -> None:
         subj = subjects.rollout_subject(self.run_id, self.s.tenant, self.s.name)
-        async for item in self.bus.tail(self.run_id, filter_subject=subj):
+        async for item in self.tail(subj):
             b = item.event.body if item.event else None
             if isinstance(b, ev.RolloutWithheld) and b.group_id.startswith(self.prefix):
                 self.resolved.add(b.group_id)
                 self.changed.set()
+
+    async def watch_refusals(self) -> None:
+        """Tasks of this environment that inference refused (dead letters on the tenant's own
+        subject): their groups will never be answered, so they leave the window, and the
+        reason is logged for the team to read."""
+        own = subjects.task_subject(self.run_id, self.s.tenant, self.s.name)
+        async for item in self.tail(subjects.dlq_subject(self.run_id, self.s.tenant)):
+            b = item.event.body if item.event else None
+            if not isinstance(b, ev.DeadLettered) or b.original_subject != own:
+                continue
+            try:
+                task = ev.decode_event(b.original_data).body
+            except ev.EventDecodeError:
+                continue
+            if not isinstance(task, ev.TaskSubmitted) or ids.is_eval_task(task.task_id):
+                continue
+            group = task.episode.group_id if task.episode else task.task_id
+            if group.startswith(self.prefix) and group not in self.resolved:
+                self.resolved.add(group)
+                self.refused += 1
+                self.changed.set()
+                self.log.warning("task_refused", task_id=task.task_id, reason=b.reason, detail=b.detail[:300])
 
     # ---------------------------------------------------------------- tasks out
 
@@ -167,7 +238,10 @@ class EnvProducer:
         if task is None:
             raise Reject(f"generation for unknown task {g.task_id!r}", reason="invalid")
         assert self.payloads is not None
-        completion = (await self.payloads.get_array(g.completion_tokens)).astype(np.int64).tolist()
+        try:
+            completion = (await self.payloads.get_array(g.completion_tokens)).astype(np.int64).tolist()
+        except PayloadError as exc:  # never readable here: a dead letter, not retries
+            raise Reject(f"generation {g.generation_id}: {exc}", reason="unreadable") from None
         delay = self.latency()
         if delay:
             async with d.keep_alive(every=10.0):
@@ -313,6 +387,7 @@ class EnvProducer:
                 run_id=self.run_id,
                 durable=f"scorer-{self.s.tenant}-{self.s.name}",
                 filter_subjects=[subjects.generation_subject(self.run_id, self.s.tenant, self.s.name)],
+                stream=self.view,
                 ack_wait=self.s.ack_wait_s,
                 max_deliver=5,
                 max_ack_pending=100_000,
@@ -328,14 +403,24 @@ class EnvProducer:
         )
 
     async def run(self, stop: asyncio.Event) -> None:
-        self.payloads = Payloads(await ObjectStorePayloads.for_run(self.bus.js, self.run_id))
+        if not await self.wait_for_view(stop):
+            return
+        if self.view is None:
+            self.payloads = Payloads(await ObjectStorePayloads.for_run(self.bus.js, self.run_id))
+        else:
+            # Every array in the event itself, up to the log's message size.
+            self.payloads = Payloads(NoPayloadStore(), inline_threshold=StreamLimits().max_msg_size // 2)
         structlog.contextvars.bind_contextvars(
             run_id=self.run_id, tenant=self.s.tenant, worker_id=f"env-{self.s.name}"
         )
         await self.catch_up()
         await asyncio.to_thread(self.env.prepare)
         await self.evaluator.restore()  # scores again: after prepare
-        watchers = [asyncio.create_task(self.watch_steps()), asyncio.create_task(self.watch_withheld())]
+        watchers = [
+            asyncio.create_task(self.watch_steps()),
+            asyncio.create_task(self.watch_withheld()),
+            asyncio.create_task(self.watch_refusals()),
+        ]
         self.log.info("producer_started", submitted=self.submitted, window=self.window)
         try:
             await asyncio.gather(self.submit_loop(stop), self.score_loop(stop))
@@ -345,4 +430,6 @@ class EnvProducer:
             for w in watchers:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await w
-            self.log.info("producer_stopped", submitted=self.submitted, scored=self.scored)
+            self.log.info(
+                "producer_stopped", submitted=self.submitted, scored=self.scored, refused=self.refused
+            )
