@@ -270,9 +270,13 @@ class Payloads:
         objstore = await ObjectStorePayloads.for_run(js, run_id)
         return cls(objstore, *weight_stores(weights_dir, objstore.bucket), log=LogArrays(js, run_id))
 
-    async def put_array(self, name: str, arr: np.ndarray) -> ev.ArrayRef:
+    async def put_array(
+        self, name: str, arr: np.ndarray, *, inline_threshold: int | None = None
+    ) -> ev.ArrayRef:
+        """``arr`` inline when it is small (``inline_threshold``, default the store's), else in
+        the store with a reference."""
         inline = inline_array(arr)
-        if len(inline.data) <= self.inline_threshold:
+        if len(inline.data) <= (self.inline_threshold if inline_threshold is None else inline_threshold):
             return inline
         ref = await self.default.put(name, inline.data)
         return msgspec.structs.replace(ref, dtype=inline.dtype, shape=inline.shape)

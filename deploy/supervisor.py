@@ -148,7 +148,10 @@ class Supervisor:
             for k, pp in enumerate(self.cfg.producer_parts())
             if not pp.env.remote  # its tenant runs it (`jetrl producer`)
         ]
-        inf = self._settings_file("inference", self.cfg.inference_part(self.run_dir))
+        inf_part = self.cfg.inference_part(self.run_dir)
+        if self.registry is not None:  # their producers read only their views
+            inf_part.inline_tenants = self.registry.tenants_of(self.run_id)
+        inf = self._settings_file("inference", inf_part)
         parts += [
             Part(
                 f"inference-{i}",

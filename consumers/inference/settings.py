@@ -62,3 +62,8 @@ class InferencePart(Section):
     # refused); empty: one tenant "default", any environment.
     tenants: list[TenantSettings] = Field(default_factory=list)
     envs: list[EnvRoute] = Field(default_factory=list)
+    # Tenants whose producers read only their view (registered tenants, deploy/tenants.py): the
+    # run's payload store is not theirs, so their generations carry prompt, tokens and logprobs
+    # inline, up to `tenant_inline_bytes` each (the log's messages are 8 MiB at most).
+    inline_tenants: list[str] = Field(default_factory=list)
+    tenant_inline_bytes: int = Field(2 * 1024 * 1024, ge=1024)

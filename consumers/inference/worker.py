@@ -240,7 +240,9 @@ class InferenceWorker:
             queued = max(0.0, time.time() - d.event.time)
             # The group shares its prompt: stored once per task, referenced by every sample.
             prompt = await self.payloads.put_array(
-                f"prompt-{d.event.event_id}", np.asarray(t.prompt_tokens, dtype=np.int32)
+                f"prompt-{d.event.event_id}",
+                np.asarray(t.prompt_tokens, dtype=np.int32),
+                inline_threshold=self.inline_bytes(d.event.tenant),
             )
             for i, g in enumerate(samples):
                 await pub.publish(
@@ -252,6 +254,11 @@ class InferenceWorker:
                 self.stats["tokens"] += len(g.completion_tokens)
             self.stats["tasks"] += 1
         await pub.flush()
+
+    def inline_bytes(self, tenant: str) -> int | None:
+        """How large an array of ``tenant``'s generations may ride inline: the tenant's own
+        limit when its producer cannot read the payload store, else the store's default."""
+        return self.part.tenant_inline_bytes if tenant in self.part.inline_tenants else None
 
     async def _completion_event(
         self,
@@ -285,8 +292,12 @@ class InferenceWorker:
             sample_index=i,
             group_size=t.group_size,
             prompt_tokens=prompt,
-            completion_tokens=await self.payloads.put_array(f"tokens-{name}", g.completion_tokens),
-            logprobs=await self.payloads.put_array(f"logprobs-{name}", g.logprobs),
+            completion_tokens=await self.payloads.put_array(
+                f"tokens-{name}", g.completion_tokens, inline_threshold=self.inline_bytes(task_event.tenant)
+            ),
+            logprobs=await self.payloads.put_array(
+                f"logprobs-{name}", g.logprobs, inline_threshold=self.inline_bytes(task_event.tenant)
+            ),
             routing_trace=trace,
             policy_version_start=version,
             policy_version_end=version,

@@ -40,3 +40,26 @@ async def test_a_second_generation_never_overwrites_the_arrays_of_the_first(bus:
     assert np.array_equal(
         await worker.payloads.get_array(again.body.completion_tokens), second.completion_tokens
     )
+
+
+async def test_a_tenant_reading_only_its_view_gets_long_completions_inline(bus: Bus, run_id: str) -> None:
+    """A registered tenant's producer cannot read the run's payload store: its generations
+    carry their arrays in the event, while another tenant's long arrays go to the store."""
+    part = ORACLE.model_copy(update={"inline_tenants": ["acme"]})
+    worker = InferenceWorker(bus, run_id, "inf-0", part)
+    worker.payloads = await Payloads.for_run(bus.js, run_id)
+    n = 8192  # 32 KiB of tokens: past the store's inline threshold
+    sample = Sample(np.arange(n, dtype=np.int32) % 50, np.zeros(n, np.float32), "length")
+    kinds = {}
+    for tenant in ("acme", "globex"):
+        task = ev.TaskSubmitted(task_id=f"e.{tenant}.0", env="e", group_size=1, prompt_tokens=[1, 2, 3])
+        task_event = ev.new_event(task, run_id=run_id, tenant=tenant)
+        prompt = await worker.payloads.put_array("p", np.asarray(task.prompt_tokens, np.int32))
+        e = await worker._completion_event(task_event, task, 0, sample, prompt, 0, 0.0, 0.0, 0.0, attempt=1)
+        assert isinstance(e.body, ev.GenerationCompleted)
+        kinds[tenant] = (type(e.body.completion_tokens), type(e.body.logprobs))
+        assert np.array_equal(
+            await worker.payloads.get_array(e.body.completion_tokens), sample.completion_tokens
+        )
+    assert kinds["acme"] == (ev.InlineArray, ev.InlineArray)
+    assert kinds["globex"] == (ev.PayloadRef, ev.PayloadRef)
