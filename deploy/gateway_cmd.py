@@ -22,6 +22,8 @@ from jetrl.bus import subjects
 from jetrl.bus.client import Bus
 from jetrl.bus.runtime import run_process
 from jetrl.deploy.config import RunConfig
+from jetrl.deploy.tenants import TenantRegistry
+from jetrl.deploy.tenants_cmd import tenants_dir
 from jetrl.policy.tokenizer import Tokenizer, tokenizer_for
 from jetrl.producers.gateway import ChatGateway, GatewaySettings
 
@@ -44,6 +46,13 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument(
         "--max-in-flight", type=int, default=None, help="without --keys: the most requests in flight at once"
     )
+    p.add_argument(
+        "--tenants-dir",
+        default=None,
+        help="the deployment's tenants (default $JETRL_TENANTS_DIR or runs/tenants): when it has any, "
+        "the gateway connects as jetrl's gateway identity and takes its API keys file",
+    )
+    p.add_argument("--creds", default=None, help="connect with this credentials file instead")
     p.add_argument("--max-tokens", type=int, default=16, help="default and most per request")
     p.add_argument("--timeout-s", type=float, default=120.0)
     p.set_defaults(func=main)
@@ -66,6 +75,12 @@ def main(args: argparse.Namespace) -> int:
             print(f"jetrl gateway: no {recorded}; is the run live? Name its server with --nats-url")
             return 2
         url = recorded.read_text().strip()
+    creds = args.creds
+    reg = TenantRegistry(tenants_dir(args.tenants_dir))
+    if reg.has_tenants():  # the server authenticates: the gateway is one of jetrl's identities
+        creds = creds or str(reg.creds_path("gateway"))
+        if args.keys is None and reg.keys_path.exists():
+            args.keys = str(reg.keys_path)
     if args.keys is not None and not Path(args.keys).is_file():
         print(f"jetrl gateway: no API keys file {args.keys}")
         return 2
@@ -80,7 +95,7 @@ def main(args: argparse.Namespace) -> int:
     )
 
     async def go(stop: asyncio.Event) -> int:
-        bus = await Bus.connect(url, name="gateway")
+        bus = await Bus.connect(url, name="gateway", creds=creds)
         gateway = ChatGateway(bus, args.run, settings, await run_tokenizer(bus, args.run))
         try:
             await gateway.start()
