@@ -171,6 +171,8 @@ class Bus:
         denied: dict[str, str] = {}
         ident = Credentials.load(creds) if creds else None
 
+        quiet_until: dict[str, float] = {}
+
         async def on_error(exc: Exception) -> None:
             text = str(exc)
             m = _VIOLATION.search(text)
@@ -179,7 +181,11 @@ class Bus:
                     denied[m.group(1)] = text
                 blog.warning("nats_permission_denied", subject=m.group(1))
                 return
-            blog.warning("nats_error", error=repr(exc))
+            # A server that is down is retried every reconnect_wait: say so every 10 s, not each time.
+            kind, now = type(exc).__name__, time.monotonic()
+            if now >= quiet_until.get(kind, 0.0):
+                quiet_until[kind] = now + 10.0
+                blog.warning("nats_error", error=repr(exc), servers=servers, repeats_muted_s=10)
 
         async def on_disconnect() -> None:
             if not nc.is_closed:  # closing is deliberate, not news (nats-py marks it first)

@@ -54,6 +54,21 @@ def run_process(
     return asyncio.run(runner())
 
 
+async def connect_until(stop: asyncio.Event, url: str | list[str], **options: Any) -> Bus | None:
+    """Connect, waiting for the server however long it takes (a part may start first), unless
+    ``stop`` is set meanwhile: then None. nats-py retries a first connection forever."""
+    connecting = asyncio.ensure_future(Bus.connect(url, **options))
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait((connecting, stopping), return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if connecting.done():
+        return connecting.result()
+    connecting.cancel()
+    with contextlib.suppress(BaseException):
+        await connecting
+    return None
+
+
 def part_main(
     argv: list[str] | None,
     *,
@@ -76,7 +91,9 @@ def part_main(
     settings = load_settings(settings_model, args.settings)
 
     async def go(stop: asyncio.Event) -> int | None:
-        bus = await Bus.connect(args.nats_url, name=client_name(args, settings), creds=args.creds)
+        bus = await connect_until(stop, args.nats_url, name=client_name(args, settings), creds=args.creds)
+        if bus is None:
+            return 0  # stopped before the server answered
         try:
             return await body(bus, args, settings, stop)
         finally:

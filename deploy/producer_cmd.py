@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from jetrl.bus.client import Bus, BusError, Credentials
+from jetrl.bus.client import BusError, Credentials
 from jetrl.bus.log import get_logger
-from jetrl.bus.runtime import run_process
+from jetrl.bus.runtime import connect_until, run_process
 from jetrl.deploy.config import ConfigError, load_config
 from jetrl.producers.producer import EnvProducer
 from jetrl.producers.settings import ProducerPart
@@ -45,7 +45,11 @@ def main(args: argparse.Namespace) -> int:
 
     async def go(stop: asyncio.Event) -> int:
         urls = [u.strip() for u in args.nats_url.split(",") if u.strip()]
-        bus = await Bus.connect(urls, name=f"producer-{ident.name if ident else 'jetrl'}", creds=args.creds)
+        bus = await connect_until(
+            stop, urls, name=f"producer-{ident.name if ident else 'jetrl'}", creds=args.creds
+        )
+        if bus is None:
+            return 0  # stopped before the server answered
         try:
             producers = [EnvProducer(bus, args.run, p) for p in parts]
             log.info(

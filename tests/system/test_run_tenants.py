@@ -64,6 +64,15 @@ def write(path: Path, text: str) -> None:
     path.write_text(text)
 
 
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def start_producer(config: Path, creds: Path, url: str, log: Path) -> subprocess.Popen[bytes]:
     """`jetrl producer` as a tenant runs it on its own machine."""
     with log.open("wb") as out:
@@ -103,8 +112,7 @@ async def test_a_run_fed_by_a_local_and_a_remote_tenant(tmp_path: Path) -> None:
             assert await asyncio.wait_for(sup.run(), timeout=300) == 0
             assert remote.poll() is None, remote_log.read_text()[-2000:]  # it never crashed
         finally:
-            remote.terminate()
-            remote.wait(10)
+            stop_process(remote)
     finally:
         server.stop()
     assert '"producer_started"' in remote_log.read_text()
