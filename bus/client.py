@@ -63,6 +63,26 @@ class PublishError(BusError):
         super().__init__(f"{len(failed)} publish(es) failed; first {first[0]}: {first[1]!r}")
 
 
+async def _connect_unless(refused: asyncio.Event, **options: Any) -> NATS:
+    """nats.connect, given up (as an authorization error) once the server refuses the
+    credentials: nats-py retries a first connection forever, whatever the error."""
+    connecting = asyncio.ensure_future(nats.connect(**options))
+    waiting = asyncio.ensure_future(refused.wait())
+    try:
+        await asyncio.wait((connecting, waiting), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        connecting.cancel()
+        raise
+    finally:
+        waiting.cancel()
+    if connecting.done():
+        return connecting.result()
+    connecting.cancel()
+    with contextlib.suppress(BaseException):
+        await connecting
+    raise nats.errors.Error("nats: 'Authorization Violation'")
+
+
 class PermissionDenied(BusError):
     """The server refused this identity the subject (NATS permissions): never retried."""
 
@@ -143,6 +163,7 @@ class Bus:
         self._denied: dict[str, str] = {}
         self.identity: Credentials | None = None
         self._msg_id_key: bytes | None = None
+        self._watch: asyncio.Task[None] | None = None
 
     def msg_headers(self, headers: dict[str, str]) -> dict[str, str]:
         """The headers to publish with: a tenant's message id keyed (Credentials.msg_id_key)."""
@@ -172,9 +193,17 @@ class Bus:
         ident = Credentials.load(creds) if creds else None
 
         quiet_until: dict[str, float] = {}
+        refused = asyncio.Event()  # the server refused these credentials (or their absence)
 
         async def on_error(exc: Exception) -> None:
             text = str(exc)
+            if "authorization violation" in text.lower() or "authentication" in text.lower():
+                # nats-py would retry forever; a refused identity stays refused until an
+                # operator acts, so the client ends here, saying why.
+                if not refused.is_set():
+                    blog.error("nats_credentials_refused", identity=ident.name if ident else None)
+                refused.set()
+                return
             m = _VIOLATION.search(text)
             if m:
                 if len(denied) < 1024:
@@ -195,7 +224,8 @@ class Bus:
             blog.info("nats_reconnected", server=str(nc.connected_url.netloc if nc.connected_url else ""))
 
         try:
-            nc = await nats.connect(
+            nc = await _connect_unless(
+                refused,
                 servers=servers,
                 name=name,
                 connect_timeout=connect_timeout,
@@ -210,7 +240,7 @@ class Bus:
                 **(ident.connect_options() if ident else {}),
             )
         except nats.errors.Error as exc:
-            if "authorization" in str(exc).lower():
+            if "authorization" in str(exc).lower() or refused.is_set():
                 who = f"identity {ident.name!r}" if ident else "no credentials"
                 raise BusError(
                     f"NATS at {', '.join(servers)} refused {who}: {exc}. Was the identity removed "
@@ -225,11 +255,20 @@ class Bus:
         js = nc.jetstream(timeout=request_timeout, publish_async_max_pending=max_inflight)
         bus = cls(nc, js, name)
         bus._denied = denied
+
+        async def close_when_refused() -> None:
+            await refused.wait()  # revoked or rotated while connected: reconnects cannot succeed
+            with contextlib.suppress(Exception):
+                await nc.close()
+
+        bus._watch = asyncio.create_task(close_when_refused())
         bus.identity = ident
         bus._msg_id_key = ident.msg_id_key() if ident else None
         return bus
 
     async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
         # Flush what was published, then close; a drain would wait on idle pull subscriptions.
         if not self.nc.is_closed:
             with contextlib.suppress(Exception):
