@@ -16,6 +16,7 @@ from pathlib import Path
 from jetrl.bus.log import configure
 from jetrl.deploy.config import ConfigError, config_for_run
 from jetrl.deploy.supervisor import Supervisor
+from jetrl.deploy.tenants_cmd import tenants_dir
 
 
 def main(args: argparse.Namespace) -> int:
@@ -32,7 +33,14 @@ def main(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"jetrl resume: {exc}")
         return 2
-    sup = Supervisor(cfg, args.run, run_dir, nats_url=args.nats_url, db_url=args.db)
+    sup = Supervisor(
+        cfg,
+        args.run,
+        run_dir,
+        nats_url=args.nats_url,
+        db_url=args.db,
+        tenants_dir=Path(tenants_dir(args.tenants_dir)),
+    )
     return asyncio.run(sup.run())
 
 
@@ -46,4 +54,5 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--runs-dir", default="runs")
     p.add_argument("--nats-url", default=None, help="the run's NATS server, when it was not the embedded one")
     p.add_argument("--db", default=None)
+    p.add_argument("--tenants-dir", default=None, help="the deployment's tenants, as for `jetrl run`")
     p.set_defaults(func=main, overrides=[])

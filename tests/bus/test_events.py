@@ -91,3 +91,41 @@ def test_subject_tokens_are_validated() -> None:
         subjects.all_subjects("run>1")
     assert subjects.task_subject("r1") == "jetrl.r1.task.*.*"
     assert subjects.rollout_subject("r1", "acme") == "jetrl.r1.rollout.acme.*"
+
+
+def test_an_event_is_a_fact_only_on_its_own_subject() -> None:
+    """`spoofed`: the subject derived from an event is the only one it may come on, and its
+    entity ids must name its own env and tenant."""
+    from jetrl.bus import ids
+    from jetrl.bus.client import spoofed
+
+    run = "r1"
+    tid = ids.task_id("math", "acme", 3)
+    task = ev.new_event(
+        ev.TaskSubmitted(task_id=tid, env="math", group_size=2, prompt_tokens=[1]), run_id=run, tenant="acme"
+    )
+    own = subjects.subject_for(task)
+    assert spoofed(run, own, task) is None
+    assert spoofed("r2", own, task) is not None  # another run's
+    assert spoofed(run, subjects.task_subject(run, "acme", "code"), task) is not None  # another env
+    assert spoofed(run, subjects.rollout_subject(run, "acme", "math"), task) is not None  # another kind
+    step = ev.new_event(ev.StepCompleted(step=0, policy_version=0, rollout_ids=[]), run_id=run, tenant="acme")
+    assert "belongs on" in (spoofed(run, subjects.rollout_subject(run, "acme", "math"), step) or "")
+    foreign = ev.new_event(
+        ev.TaskSubmitted(
+            task_id=ids.task_id("math", "globex", 3), env="math", group_size=2, prompt_tokens=[1]
+        ),
+        run_id=run,
+        tenant="acme",
+    )
+    assert "not of environment" in (spoofed(run, subjects.subject_for(foreign), foreign) or "")
+    dl = ev.new_event(
+        ev.DeadLettered(
+            reason="malformed", detail="x", consumer="c", original_subject="s", original_stream_seq=1
+        ),
+        run_id=run,
+        tenant="acme",
+    )
+    assert subjects.subject_for(dl) == f"jetrl.{run}.dlq.acme.malformed"
+    assert spoofed(run, subjects.subject_for(dl), dl) is None
+    assert spoofed(run, f"jetrl.{run}.dlq.malformed", dl) is None  # a log from before the tenant token
