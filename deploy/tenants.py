@@ -218,7 +218,7 @@ class TenantRegistry:
         write_private(self.keys_path, json.dumps({"keys": self.api_keys}, indent=2) + "\n")
         write_private(self.auth_conf, self.authorization())
         reloaded = reload_servers(self.servers_dir)
-        log.info(
+        log.debug(  # `jetrl tenants` prints what it did; a supervisor's saves are routine
             "tenants_saved",
             tenants=[i.name for i in self.tenants()],
             servers_reloaded=reloaded,

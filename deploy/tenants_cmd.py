@@ -10,7 +10,6 @@ import os
 from typing import Any
 
 from jetrl.bus.client import Bus
-from jetrl.bus.log import configure
 from jetrl.bus.streams import ensure_tenant_view, stream_name
 from jetrl.deploy.tenants import ADMIN, TenantError, TenantRegistry
 
@@ -66,7 +65,6 @@ async def create_views(reg: TenantRegistry, url: str, pairs: list[tuple[str, str
 
 
 def main(args: argparse.Namespace) -> int:
-    configure(level="warning")  # the command says what it did; the log stays for problems
     reg = TenantRegistry(tenants_dir(args.dir))
     try:
         return _run(reg, args)
