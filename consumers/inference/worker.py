@@ -223,7 +223,7 @@ class InferenceWorker:
             GroupRequest(
                 prompt_tokens=t.prompt_tokens,
                 n=t.group_size,
-                max_tokens=t.max_tokens,
+                max_tokens=max(1, t.max_tokens),  # as docs/events.md says, for every engine
                 temperature=t.temperature,
                 top_p=self.s.top_p,
                 stop_token_ids=self.stop_ids,
