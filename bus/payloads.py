@@ -201,10 +201,14 @@ class LogArrays:
     async def _event(self, seq: int) -> ev.Event:
         event = self._events.get(seq)
         if event is None:
+            if not 1 <= seq < 2**63:  # the server refuses such a request (it is no sequence)
+                raise PayloadMissing(f"{seq} is not a sequence of {self.stream}")
             try:
                 msg = await self.js.get_msg(self.stream, seq=seq, direct=True)
             except nats.js.errors.NotFoundError:
                 raise PayloadMissing(f"{self.stream} has no message at sequence {seq}") from None
+            except nats.js.errors.BadRequestError as exc:
+                raise PayloadMissing(f"{self.stream} refused sequence {seq}: {exc}") from None
             event = ev.decode_event(msg.data or b"", msg.headers)
             if len(self._events) >= self.cache_events:
                 del self._events[next(iter(self._events))]  # the oldest read
@@ -216,8 +220,14 @@ class LogArrays:
         seqs = {r.seq for r in refs} - self._events.keys()
         await asyncio.gather(*(self._event(s) for s in sorted(seqs)))
 
-    async def get_array(self, ref: ev.LogArray) -> np.ndarray:
+    async def get_array(self, ref: ev.LogArray, *, of_event: str | None = None) -> np.ndarray:
+        """The array ``ref`` names; ``of_event``: the event id it must lie in (a rollout's
+        arrays are its own generation's, never another tenant's)."""
         event = await self._event(ref.seq)
+        if of_event is not None and event.event_id != of_event:
+            raise PayloadIntegrityError(
+                f"{self.stream} sequence {ref.seq} is event {event.event_id}, not the expected {of_event}"
+            )
         found = getattr(event.body, ref.field, None)
         if not isinstance(found, ev.InlineArray) or (found.dtype, found.shape) != (ref.dtype, ref.shape):
             raise PayloadIntegrityError(
@@ -308,11 +318,12 @@ class Payloads:
             raise PayloadError("this reader cannot follow references into the log (no LogArrays)")
         return self.log
 
-    async def get_array(self, ref: ev.ArrayRef) -> np.ndarray:
+    async def get_array(self, ref: ev.ArrayRef, *, of_event: str | None = None) -> np.ndarray:
+        """The array ``ref`` names, checked (``of_event``: see :meth:`LogArrays.get_array`)."""
         if isinstance(ref, ev.InlineArray):
             return array_from_bytes(ref.dtype, ref.shape, ref.data)
         if isinstance(ref, ev.LogArray):
-            return await self._log().get_array(ref)
+            return await self._log().get_array(ref, of_event=of_event)
         if ref.dtype is None or ref.shape is None:
             raise PayloadError(f"payload {ref.bucket}/{ref.name} is a blob, not an array")
         return array_from_bytes(ref.dtype, ref.shape, await self.get_bytes(ref))

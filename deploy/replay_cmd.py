@@ -25,6 +25,7 @@ from jetrl.consumers.trainer.replay import (
     divergence_hints,
     read_rollouts,
     read_run_log,
+    trained_seqs,
 )
 from jetrl.deploy.config import RunConfig, library_versions
 from jetrl.deploy.run_log import with_run_log
@@ -60,7 +61,7 @@ async def replay(
         replayer = Replayer(core, payloads, log)
         await replayer.start_at(from_step, run_dir / "trainer" if from_step else None)
         needed = {rid for s in range(from_step, last + 1) for rid in log.steps[s][0].rollout_ids}
-        rollouts, _ = await read_rollouts(bus, run_id, needed)
+        rollouts, _ = await read_rollouts(bus, run_id, needed, trained_seqs(log, from_step))
         say(f"replaying run {run_id}: steps {from_step}..{last} ({len(needed)} rollouts), {part.model.name}")
         t0 = time.perf_counter()
         shown = [time.monotonic()]

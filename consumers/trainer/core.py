@@ -57,14 +57,19 @@ class TrainCore:
 
     async def read_arrays(self, b: ev.RolloutScored, payloads: Payloads) -> RolloutArrays:
         """One rollout's arrays as the step uses them (a trace only when it is replayed)."""
+        # Arrays in the log must lie in this rollout's own generation: a tenant's rollout may not
+        # train on another's tokens by pointing at them.
+        own = b.generation_event_id
         trace = None
         if b.routing_trace is not None and self.s.replay:
-            trace = await payloads.get_array(b.routing_trace)
-        mask = None if b.completion_mask is None else await payloads.get_array(b.completion_mask)
+            trace = await payloads.get_array(b.routing_trace, of_event=own)
+        mask = (
+            None if b.completion_mask is None else await payloads.get_array(b.completion_mask, of_event=own)
+        )
         return RolloutArrays(
-            prompt=await payloads.get_array(b.prompt_tokens),
-            completion=await payloads.get_array(b.completion_tokens),
-            logprobs=await payloads.get_array(b.logprobs),
+            prompt=await payloads.get_array(b.prompt_tokens, of_event=own),
+            completion=await payloads.get_array(b.completion_tokens, of_event=own),
+            logprobs=await payloads.get_array(b.logprobs, of_event=own),
             mask=mask,
             trace=trace,
         )

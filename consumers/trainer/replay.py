@@ -16,7 +16,7 @@ from typing import Any
 
 from jetrl.bus import events as ev
 from jetrl.bus import subjects
-from jetrl.bus.client import Bus
+from jetrl.bus.client import Bus, spoofed
 from jetrl.bus.payloads import Payloads
 from jetrl.consumers.trainer.core import Checkpoint, TrainCore, checkpoint_path
 from jetrl.consumers.trainer.settings import TrainerSettings
@@ -70,16 +70,39 @@ async def read_run_log(bus: Bus, run_id: str) -> RunLog:
     return log
 
 
-async def read_rollouts(bus: Bus, run_id: str, ids: set[str]) -> tuple[dict[str, ev.RolloutScored], set[str]]:
-    """In one pass over the rollout subjects: the RolloutScored events of ``ids`` (the first of
-    each, as the trainer saw it), and every rollout the trainer withheld (never to be trained,
-    even if delivered again)."""
+def trained_seqs(log: RunLog, from_step: int = 0) -> dict[str, int]:
+    """Where each rollout trained at ``from_step`` or later lies in the log, as its
+    StepCompleted recorded (steps logged before rollout_seqs existed record none)."""
+    out: dict[str, int] = {}
+    for step, (body, _) in log.steps.items():
+        if step >= from_step and len(body.rollout_seqs) == len(body.rollout_ids):
+            out.update(zip(body.rollout_ids, body.rollout_seqs, strict=True))
+    return out
+
+
+async def read_rollouts(
+    bus: Bus, run_id: str, ids: set[str], seqs: dict[str, int] | None = None
+) -> tuple[dict[str, ev.RolloutScored], set[str]]:
+    """In one pass over the rollout subjects: the RolloutScored events of ``ids``, and every
+    rollout the trainer withheld (never to be trained, even if delivered again).
+
+    A rollout is the event at the sequence its step recorded (``seqs``): a rollout id is only
+    a name, and a hostile tenant may publish another event under it first (the trainer
+    refuses that one, but it is in the log). Without a recorded sequence, the first event of
+    the id that is a fact of the run (``spoofed``)."""
+    seqs = seqs or {}
     scored: dict[str, ev.RolloutScored] = {}
     withheld: set[str] = set()
     async for item in bus.tail(run_id, filter_subject=subjects.rollout_subject(run_id), to_head=True):
-        b = item.event.body if item.event else None
+        if item.event is None or spoofed(run_id, item.subject, item.event) is not None:
+            continue
+        b = item.event.body
         if isinstance(b, ev.RolloutScored) and b.rollout_id in ids:
-            scored.setdefault(b.rollout_id, b)
+            want = seqs.get(b.rollout_id)
+            if want is None:
+                scored.setdefault(b.rollout_id, b)
+            elif item.seq == want:
+                scored[b.rollout_id] = b
         elif isinstance(b, ev.RolloutWithheld):
             withheld.add(b.rollout_id)
     missing = ids - set(scored)

@@ -49,7 +49,7 @@ from jetrl.consumers.trainer.admission import (
 )
 from jetrl.consumers.trainer.batching import fill_batch
 from jetrl.consumers.trainer.core import RolloutArrays, TrainCore, checkpoint_version, list_checkpoints
-from jetrl.consumers.trainer.replay import Replayer, ReplayError, read_rollouts, read_run_log
+from jetrl.consumers.trainer.replay import Replayer, ReplayError, read_rollouts, read_run_log, trained_seqs
 from jetrl.consumers.trainer.settings import TrainerPart
 from jetrl.consumers.trainer.withholding import ScoredDelivery, rollout_consumer_spec, withheld_event
 from jetrl.policy.origin import model_config_of
@@ -158,7 +158,9 @@ class Trainer:
             for rid in body.rollout_ids
         }
         t0 = time.perf_counter()
-        rollouts, self.withheld_ids = await read_rollouts(self.bus, self.run_id, needed)
+        rollouts, self.withheld_ids = await read_rollouts(
+            self.bus, self.run_id, needed, trained_seqs(log, replayer.version)
+        )
         checks = await replayer.run(rollouts)
         bad = [c for c in checks if not c.ok]
         if bad:

@@ -97,7 +97,8 @@ async def test_log_arrays_are_read_where_they_lie_in_the_log(bus: Bus, run_id: s
         policy_version_end=0,
         worker_id="w",
     )
-    seq = (await bus.publish(ev.new_event(gen, run_id=run_id))).seq
+    gen_event = ev.new_event(gen, run_id=run_id)
+    seq = (await bus.publish(gen_event)).seq
     refs = [
         log_array(seq, "completion_tokens", gen.completion_tokens),
         log_array(seq, "logprobs", gen.logprobs),
@@ -110,6 +111,13 @@ async def test_log_arrays_are_read_where_they_lie_in_the_log(bus: Bus, run_id: s
         await pay.get_array(ev.LogArray(seq=seq, field="logprobs", dtype="int32", shape=(7,)))
     with pytest.raises(PayloadMissing):
         await pay.get_array(ev.LogArray(seq=seq + 100, field="logprobs", dtype="float32", shape=(7,)))
+    for nowhere in (0, -1, 2**64 - 1):  # no sequence at all: missing, not a server error
+        with pytest.raises(PayloadMissing):
+            await pay.get_array(ev.LogArray(seq=nowhere, field="logprobs", dtype="float32", shape=(7,)))
+    # A rollout's arrays must lie in its own generation, not in another event it points at.
+    assert np.array_equal(await pay.get_array(refs[0], of_event=gen_event.event_id), tokens)
+    with pytest.raises(PayloadIntegrityError, match="not the expected"):
+        await pay.get_array(refs[0], of_event="another-generation")
     with pytest.raises(PayloadError, match="cannot follow"):
         await Payloads(pay.default).get_array(refs[0])
     # A reference to a payload is kept as it is: it points at its own bytes already.

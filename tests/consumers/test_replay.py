@@ -8,11 +8,12 @@ import signal
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from jetrl.bus import events as ev
 from jetrl.bus.client import Bus
-from jetrl.bus.payloads import Payloads
+from jetrl.bus.payloads import Payloads, inline_array
 from jetrl.bus.server import EmbeddedServer
 from jetrl.consumers.trainer.core import TrainCore
 from jetrl.consumers.trainer.replay import Replayer, divergence_hints, read_rollouts, read_run_log
@@ -122,3 +123,38 @@ async def test_trainer_killed_mid_run_recovers_by_replay(nats_server: EmbeddedSe
     )
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
     assert trainer_log.count('"trainer_recovered"') == 2
+
+
+async def test_a_rollout_is_read_at_the_sequence_its_step_recorded(bus: Bus, run_id: str) -> None:
+    """A rollout id is only a name: a hostile event published first under it (and refused by
+    the trainer) must not be what a restarted trainer reads back as that rollout."""
+
+    def rollout(reward: float, sample_index: int) -> ev.Event:
+        arr = inline_array(np.arange(3, dtype=np.int32))
+        return ev.new_event(
+            ev.RolloutScored(
+                rollout_id="math.acme.0-0",
+                generation_event_id="g",
+                task_id="math.acme.0",
+                env="math",
+                group_id="math.acme.0",
+                sample_index=sample_index,
+                group_size=2,
+                reward=reward,
+                prompt_tokens=arr,
+                completion_tokens=arr,
+                logprobs=inline_array(np.zeros(3, np.float32)),
+                policy_version_start=0,
+                policy_version_end=0,
+            ),
+            run_id=run_id,
+            tenant="acme",
+        )
+
+    await bus.publish(rollout(7.0, 1))  # the squatter, first in the log
+    real = (await bus.publish(rollout(1.0, 0))).seq
+    ids = {"math.acme.0-0"}
+    first, _ = await read_rollouts(bus, run_id, ids)
+    recorded, _ = await read_rollouts(bus, run_id, ids, {"math.acme.0-0": real})
+    assert first["math.acme.0-0"].reward == 7.0  # what "the first of each id" would replay
+    assert recorded["math.acme.0-0"].reward == 1.0 and recorded["math.acme.0-0"].sample_index == 0

@@ -1005,7 +1005,6 @@ TRAINER_ROUTES = [
     EnvRoute(tenant="globex", env="code", group_size=3),
 ]
 NAN, INF = math.nan, math.inf
-KNOWN_BUGS = os.environ.get("FUZZ_KNOWN_BUGS") == "1"
 # The trainer's own reasons, beside the bus's: those found at admission, and those found only
 # when a complete group's arrays are read for a step (bad_tokens, nan_logprobs, unreadable,
 # bad_values); a refused member's group mates are withheld (incomplete_group) where the reason
@@ -1180,6 +1179,7 @@ class TrainerFuzz(Fuzz):
         end = version if end is None else end
         start = end if start is None else start
         gen_seq = 0
+        gen_id = uuid.uuid4().hex  # the generation's event id (its arrays lie there in "log" mode)
         if mode == "log":
             gen = ev.GenerationCompleted(
                 generation_id=f"{gid}-{i}",
@@ -1196,12 +1196,13 @@ class TrainerFuzz(Fuzz):
                 policy_version_end=end,
                 worker_id="inf-0",
             )
-            gen_seq = (await self.bus.publish(ev.new_event(gen, run_id=self.run_id, tenant=tenant))).seq
+            gen_event = ev.new_event(gen, run_id=self.run_id, tenant=tenant, event_id=gen_id)
+            gen_seq = (await self.bus.publish(gen_event)).seq
             self.gen_seq = gen_seq
         name = f"{gid}-{i}-{uuid.uuid4().hex[:6]}"
         b = ev.RolloutScored(
             rollout_id=ids.rollout_id(gid, i),
-            generation_event_id=uuid.uuid4().hex,
+            generation_event_id=gen_id,
             task_id=gid,
             env=env,
             group_id=gid,
@@ -1457,12 +1458,6 @@ class TrainerFuzz(Fuzz):
         seq = p["seq"]
         if 0 < seq < 10**9:
             seq += 10**9  # past this run's log, not at one of its events
-        if seq <= 0 and not KNOWN_BUGS:
-            # KNOWN BUG (trainer): a LogArray at sequence <= 0 makes nats-py's get_msg raise
-            # APIError (408 Malformed/Empty Request), which LogArrays does not map to a
-            # PayloadError and Trainer.vet does not catch: the trainer task dies. Kept out
-            # until fixed; FUZZ_KNOWN_BUGS=1 puts it back.
-            seq = 10**12 - seq
         ok = await self.payloads.put_array(f"ok-{uuid.uuid4().hex[:8]}", c, inline_threshold=0)
         assert isinstance(ok, ev.PayloadRef)
         field_ = ["env", "group_size", "timings", "worker_id", "nope", p["text"]][v // 12 % 6]
@@ -1576,7 +1571,8 @@ class TrainerFuzz(Fuzz):
         new = set(by_id) - self.replay_checked
         if not new:
             return
-        scored, _ = await read_rollouts(self.bus, self.run_id, new)
+        # As a restarted trainer reads them: at the sequences the steps recorded.
+        scored, _ = await read_rollouts(self.bus, self.run_id, new, {rid: by_id[rid][0] for rid in new})
         for rid in sorted(new):
             self.replay_checked.add(rid)
             if scored[rid] != by_id[rid][1]:
@@ -1617,3 +1613,4 @@ def test_fuzz_trainer(nats_server: EmbeddedServer, tmp_path: Path) -> None:
         examples=int(os.environ.get("FUZZ_TRAINER_N", 200)),
     )
     assert isinstance(fz, TrainerFuzz)
+    assert not fz.replay_mismatch, fz.report()  # replay reads exactly what was trained
