@@ -21,13 +21,10 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
-import json
-import re
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Generic, TypeVar, cast, overload
 
 import nats
@@ -39,6 +36,8 @@ from nats.js import JetStreamContext, api
 
 from jetrl.bus import events as ev
 from jetrl.bus import ids, subjects
+from jetrl.bus.facts import rejecting_tenant, spoofed
+from jetrl.bus.identity import VIOLATION, Credentials, PermissionDenied, connect_unless
 from jetrl.bus.log import get_logger
 from jetrl.bus.pull import PullChannel
 from jetrl.bus.streams import StreamLimits, ensure_payload_bucket, ensure_run_stream, stream_name
@@ -61,75 +60,6 @@ class PublishError(BusError):
         self.failed = failed
         first = next(iter(failed.items()))
         super().__init__(f"{len(failed)} publish(es) failed; first {first[0]}: {first[1]!r}")
-
-
-async def _connect_unless(refused: asyncio.Event, **options: Any) -> NATS:
-    """nats.connect, given up (as an authorization error) once the server refuses the
-    credentials: nats-py retries a first connection forever, whatever the error."""
-    connecting = asyncio.ensure_future(nats.connect(**options))
-    waiting = asyncio.ensure_future(refused.wait())
-    try:
-        await asyncio.wait((connecting, waiting), return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        connecting.cancel()
-        raise
-    finally:
-        waiting.cancel()
-    if connecting.done():
-        return connecting.result()
-    connecting.cancel()
-    with contextlib.suppress(BaseException):
-        await connecting
-    raise nats.errors.Error("nats: 'Authorization Violation'")
-
-
-class PermissionDenied(BusError):
-    """The server refused this identity the subject (NATS permissions): never retried."""
-
-
-_VIOLATION = re.compile(r'permissions violation for (?:publish|subscription) to "([^"]+)"', re.IGNORECASE)
-
-
-@dataclass(frozen=True)
-class Credentials:
-    """An identity's credentials file (JSON, mode 0600): its name, its nkey seed, and the inbox
-    prefix its permissions allow it to subscribe under (replies to it arrive there, and another
-    identity cannot read them)."""
-
-    name: str
-    seed: str
-    inbox_prefix: str
-
-    @classmethod
-    def load(cls, path: str) -> Credentials:
-        try:
-            raw = json.loads(Path(path).read_text())
-            return cls(
-                name=str(raw["name"]),
-                seed=str(raw["seed"]),
-                inbox_prefix=str(raw["inbox_prefix"]),
-                is_tenant=raw.get("tenant") == raw["name"],
-            )
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise BusError(f"cannot read credentials {path}: {exc!r}") from None
-
-    def connect_options(self) -> dict[str, Any]:
-        return {"nkeys_seed_str": self.seed, "inbox_prefix": self.inbox_prefix}
-
-    @property
-    def tenant(self) -> str | None:
-        """The tenant this identity is, when it is one (its name); None for jetrl's parts."""
-        return self.name if self.is_tenant else None
-
-    is_tenant: bool = False
-
-    def msg_id_key(self) -> bytes | None:
-        """A tenant's message ids are keyed with a secret of its own: the stream deduplicates by
-        message id across all publishers, and derived event ids are predictable, so another
-        tenant could otherwise take an id first and make this one's event vanish. jetrl's parts
-        check a duplicate against the stored message instead (Bus.claim_duplicate), which a
-        tenant, unable to read the run's log, cannot."""
-        return hashlib.sha256(b"jetrl-msg-id:" + self.seed.encode()).digest() if self.is_tenant else None
 
 
 class Reject(Exception):
@@ -204,7 +134,7 @@ class Bus:
                     blog.error("nats_credentials_refused", identity=ident.name if ident else None)
                 refused.set()
                 return
-            m = _VIOLATION.search(text)
+            m = VIOLATION.search(text)
             if m:
                 if len(denied) < 1024:
                     denied[m.group(1)] = text
@@ -224,7 +154,7 @@ class Bus:
             blog.info("nats_reconnected", server=str(nc.connected_url.netloc if nc.connected_url else ""))
 
         try:
-            nc = await _connect_unless(
+            nc = await connect_unless(
                 refused,
                 servers=servers,
                 name=name,
@@ -770,51 +700,6 @@ class ConsumerStats:
     by_reason: dict[str, int] = field(default_factory=dict)
 
 
-def spoofed(run_id: str, subject: str, event: ev.Event) -> str | None:
-    """Why ``event``, read on ``subject`` of run ``run_id``'s log, is not a fact of that run,
-    else None. Every event has one subject, derived from its envelope and body
-    (:func:`subjects.subject_for`); NATS permissions bind a tenant's credential to its subjects,
-    so an event on another subject than its own names another run, tenant, environment, worker
-    or kind than the one that published it (a tenant's StepCompleted on its rollout subject).
-    Consumers dead-letter such events; a reader of the log that does not consume skips them."""
-    if event.run_id != run_id:
-        return f"envelope run {event.run_id!r} on run {run_id!r}"
-    sub_tenant = subjects.tenant_of(subject)
-    if sub_tenant is not None and sub_tenant != event.tenant:
-        return f"envelope tenant {event.tenant!r} published under tenant {sub_tenant!r}"
-    try:
-        own = subjects.subject_for(event)
-    except (subjects.InvalidName, TypeError) as exc:
-        return f"{event.type} has no valid subject: {exc}"
-    legacy = isinstance(event.body, ev.DeadLettered) and subjects.is_legacy_dead_letter(subject)
-    if own != subject and not legacy:
-        return f"a {event.type} belongs on {own}, not {subject}"
-    return foreign_id(event)
-
-
-_ENTITY_IDS = ("task_id", "group_id", "generation_id", "rollout_id")
-
-
-def foreign_id(event: ev.Event) -> str | None:
-    """Entity ids name their environment and tenant (bus/ids.py): a tenant's event that names
-    another's task or rollout (to have it counted as trained, say) is refused."""
-    b = event.body
-    env = getattr(b, "env", None)
-    if env is None or isinstance(b, ev.EvaluationReported):
-        return None
-    prefix = ids.task_prefix(env, event.tenant)
-    for name in _ENTITY_IDS:
-        value = getattr(b, name, None)
-        if value is not None and not value.startswith(prefix):
-            return f"{name} {value!r} is not of environment {env!r} of tenant {event.tenant!r}"
-    return None
-
-
-def _rejecting_tenant(subject: str) -> str:
-    t = subjects.tenant_of(subject)
-    return t if t is not None and subjects.is_token(t) else subjects.RUN_TENANT
-
-
 class PullConsumer(Generic[B]):
     def __init__(self, bus: Bus, spec: ConsumerSpec, channel: PullChannel, body: type[B]) -> None:
         self.bus = bus
@@ -908,7 +793,7 @@ class PullConsumer(Generic[B]):
             body,
             run_id=self.spec.run_id,
             # Under the tenant whose subject it came on (its credential's): that tenant reads it.
-            tenant=_rejecting_tenant(msg.subject),
+            tenant=rejecting_tenant(msg.subject),
             causation_id=body.original_event_id,
             event_id=dl_id,
         )

@@ -39,7 +39,7 @@ from typing import Any
 
 import nkeys
 
-from jetrl.bus.client import Credentials
+from jetrl.bus.identity import Credentials
 from jetrl.bus.log import get_logger
 from jetrl.bus.settings import RESERVED_TENANTS
 from jetrl.bus.streams import view_stream_name

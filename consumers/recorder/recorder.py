@@ -26,7 +26,8 @@ from nats.js import api
 
 from jetrl.bus import events as ev
 from jetrl.bus import subjects
-from jetrl.bus.client import Batch, Bus, ConsumerSpec, PullConsumer, spoofed
+from jetrl.bus.client import Batch, Bus, ConsumerSpec, PullConsumer
+from jetrl.bus.facts import spoofed
 from jetrl.bus.log import get_logger
 from jetrl.bus.streams import stream_name
 from jetrl.consumers.recorder.settings import DEFAULT_DURABLE

@@ -16,7 +16,8 @@ from typing import Any
 
 from jetrl.bus import events as ev
 from jetrl.bus import subjects
-from jetrl.bus.client import Bus, spoofed
+from jetrl.bus.client import Bus
+from jetrl.bus.facts import spoofed
 from jetrl.bus.payloads import Payloads
 from jetrl.consumers.trainer.core import Checkpoint, TrainCore, checkpoint_path
 from jetrl.consumers.trainer.settings import TrainerSettings

@@ -97,7 +97,7 @@ def test_an_event_is_a_fact_only_on_its_own_subject() -> None:
     """`spoofed`: the subject derived from an event is the only one it may come on, and its
     entity ids must name its own env and tenant."""
     from jetrl.bus import ids
-    from jetrl.bus.client import spoofed
+    from jetrl.bus.facts import spoofed
 
     run = "r1"
     tid = ids.task_id("math", "acme", 3)
