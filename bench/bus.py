@@ -64,11 +64,11 @@ def rollout_events(run_id: str, n: int) -> list[ev.Event]:
     out = []
     for i in range(n):
         body = ev.RolloutScored(
-            rollout_id=f"swe.default.{i // 8}-{i % 8}",
+            rollout_id=f"swe.acme.{i // 8}-{i % 8}",
             generation_event_id=ev.new_event_id(),
-            task_id=f"swe.default.{i // 8}",
+            task_id=f"swe.acme.{i // 8}",
             env="swe",
-            group_id=f"swe.default.{i // 8}",
+            group_id=f"swe.acme.{i // 8}",
             sample_index=i % 8,
             group_size=8,
             reward=float(i % 2),
