@@ -11,9 +11,10 @@ import contextlib
 import hashlib
 import json
 import re
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import nats
 import nats.errors
@@ -24,24 +25,36 @@ class CredentialsError(ValueError):
     """A credentials file that cannot be read."""
 
 
-async def connect_unless(refused: asyncio.Event, **options: Any) -> NATS:
-    """nats.connect, given up (as an authorization error) once the server refuses the
-    credentials: nats-py retries a first connection forever, whatever the error."""
-    connecting = asyncio.ensure_future(nats.connect(**options))
-    waiting = asyncio.ensure_future(refused.wait())
+T = TypeVar("T")
+
+
+async def unless_set(event: asyncio.Event, work: Awaitable[T]) -> T | None:
+    """``work``'s result, or None when ``event`` is set first (``work`` is then cancelled).
+    nats-py retries a first connection forever, whatever the error: this bounds it."""
+    doing = asyncio.ensure_future(work)
+    waiting = asyncio.ensure_future(event.wait())
     try:
-        await asyncio.wait((connecting, waiting), return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait((doing, waiting), return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
-        connecting.cancel()
+        doing.cancel()
         raise
     finally:
         waiting.cancel()
-    if connecting.done():
-        return connecting.result()
-    connecting.cancel()
+    if doing.done():
+        return doing.result()
+    doing.cancel()
     with contextlib.suppress(BaseException):
-        await connecting
-    raise nats.errors.Error("nats: 'Authorization Violation'")
+        await doing
+    return None
+
+
+async def connect_unless(refused: asyncio.Event, **options: Any) -> NATS:
+    """nats.connect, given up (as an authorization error) once the server refuses the
+    credentials."""
+    nc = await unless_set(refused, nats.connect(**options))
+    if nc is None:
+        raise nats.errors.Error("nats: 'Authorization Violation'")
+    return nc
 
 
 class PermissionDenied(RuntimeError):
@@ -60,6 +73,7 @@ class Credentials:
     name: str
     seed: str
     inbox_prefix: str
+    is_tenant: bool = False  # a tenant's identity (its name is the tenant), not one of jetrl's parts
 
     @classmethod
     def load(cls, path: str) -> Credentials:
@@ -81,8 +95,6 @@ class Credentials:
     def tenant(self) -> str | None:
         """The tenant this identity is, when it is one (its name); None for jetrl's parts."""
         return self.name if self.is_tenant else None
-
-    is_tenant: bool = False
 
     def msg_id_key(self) -> bytes | None:
         """A tenant's message ids are keyed with a secret of its own: the stream deduplicates by

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from jetrl.bus.client import Bus
+from jetrl.bus.identity import unless_set
 from jetrl.bus.log import configure
 
 T = TypeVar("T", bound=BaseModel)
@@ -56,17 +57,8 @@ def run_process(
 
 async def connect_until(stop: asyncio.Event, url: str | list[str], **options: Any) -> Bus | None:
     """Connect, waiting for the server however long it takes (a part may start first), unless
-    ``stop`` is set meanwhile: then None. nats-py retries a first connection forever."""
-    connecting = asyncio.ensure_future(Bus.connect(url, **options))
-    stopping = asyncio.ensure_future(stop.wait())
-    await asyncio.wait((connecting, stopping), return_when=asyncio.FIRST_COMPLETED)
-    stopping.cancel()
-    if connecting.done():
-        return connecting.result()
-    connecting.cancel()
-    with contextlib.suppress(BaseException):
-        await connecting
-    return None
+    ``stop`` is set meanwhile: then None."""
+    return await unless_set(stop, Bus.connect(url, **options))
 
 
 def part_main(

@@ -102,11 +102,6 @@ class EmbeddedServer:
         conf.write_text(text)
         return conf
 
-    def reload(self) -> None:
-        """Re-read the configuration (added and removed identities) without a restart."""
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGHUP)
-
     def start(self, timeout: float = 20.0) -> EmbeddedServer:
         if self.proc and self.proc.poll() is None:
             return self

@@ -179,13 +179,6 @@ async def ensure_tenant_view(
     return info
 
 
-async def delete_tenant_view(js: JetStreamContext, run_id: str, tenant: str) -> bool:
-    try:
-        return bool(await js.delete_stream(view_stream_name(run_id, tenant)))
-    except nats.js.errors.NotFoundError:
-        return False
-
-
 @dataclass(frozen=True)
 class Usage:
     """How full one of a run's streams is: the log, or the payload bucket's."""

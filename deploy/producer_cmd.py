@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from jetrl.bus.client import BusError
 from jetrl.bus.identity import Credentials, CredentialsError
 from jetrl.bus.log import get_logger
 from jetrl.bus.runtime import connect_until, run_process
@@ -39,7 +38,7 @@ def main(args: argparse.Namespace) -> int:
         ident = Credentials.load(args.creds) if args.creds else None
         cfg = load_config(args.config, args.overrides)
         parts = pick_parts(cfg.producer_parts(), ident.tenant if ident else None, args.env)
-    except (ConfigError, BusError, CredentialsError) as exc:
+    except (ConfigError, CredentialsError) as exc:
         print(f"jetrl producer: {exc}")
         return 2
     log = get_logger(__name__, run_id=args.run)

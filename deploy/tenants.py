@@ -39,7 +39,6 @@ from typing import Any
 
 import nkeys
 
-from jetrl.bus.identity import Credentials
 from jetrl.bus.log import get_logger
 from jetrl.bus.settings import RESERVED_TENANTS
 from jetrl.bus.streams import view_stream_name
@@ -237,9 +236,6 @@ class TenantRegistry:
             + json.dumps({"users": users}, indent=2)
             + "\n"
         )
-
-    def credentials(self, name: str) -> Credentials:
-        return Credentials.load(str(self.creds_path(name)))
 
 
 def permissions(ident: Identity) -> dict[str, Any]:
