@@ -62,6 +62,9 @@ class PublishError(BusError):
         super().__init__(f"{len(failed)} publish(es) failed; first {first[0]}: {first[1]!r}")
 
 
+REFUSALS = 4  # refusals of the credentials (one per reconnect attempt, 0.25 s apart) before giving up
+
+
 class Reject(Exception):
     """Raised by a handler for a message that can never be processed: dead-lettered at once."""
 
@@ -124,15 +127,18 @@ class Bus:
 
         quiet_until: dict[str, float] = {}
         refused = asyncio.Event()  # the server refused these credentials (or their absence)
+        refusals: list[float] = []
 
         async def on_error(exc: Exception) -> None:
             text = str(exc)
             if "authorization violation" in text.lower() or "authentication" in text.lower():
                 # nats-py would retry forever; a refused identity stays refused until an
-                # operator acts, so the client ends here, saying why.
-                if not refused.is_set():
+                # operator acts, so the client ends here, saying why. Not at the first refusal:
+                # a server in the middle of a configuration reload can refuse a valid identity.
+                refusals.append(time.monotonic())
+                if len(refusals) >= REFUSALS and not refused.is_set():
                     blog.error("nats_credentials_refused", identity=ident.name if ident else None)
-                refused.set()
+                    refused.set()
                 return
             m = VIOLATION.search(text)
             if m:

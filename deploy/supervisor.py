@@ -190,11 +190,13 @@ class Supervisor:
     def join_tenants(self, reg: TenantRegistry) -> None:
         """The registered tenants whose envs this run lists join it (so their identities may
         publish on its subjects); jetrl's own identities are made if missing."""
+        before = {n: (i.public_key, tuple(i.runs)) for n, i in reg.identities.items()}
         reg.ensure_jetrl_identities()
         known = {t.name for t in reg.tenants()}
         for tenant in {e.tenant for e in self.cfg.envs} & known:
             reg.add(tenant, [self.run_id])
-        reg.save()
+        if {n: (i.public_key, tuple(i.runs)) for n, i in reg.identities.items()} != before:
+            reg.save()  # a reload only when something changed
 
     async def ensure_views(self, bus: Bus) -> None:
         """Every tenant that joined the run reads it through its view: made at the start, and
