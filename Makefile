@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# torch first: a looser requirement resolved first would download a multi-GB CUDA build
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[dev,export,verifiers]"
+	$(BIN)/pip install -q -e ".[dev,export,verifiers,trackers]"
 	touch $(STAMP)
 
 venv: $(STAMP)

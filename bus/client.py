@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import hashlib
 import hmac
 import time
@@ -346,6 +347,7 @@ class Bus:
         run_id: str,
         *,
         from_seq: int | None = None,
+        from_time: float | None = None,
         filter_subject: str | None = None,
         idle_timeout: float | None = None,
         to_head: bool = False,
@@ -364,10 +366,14 @@ class Bus:
         async def on_msg(msg: Msg) -> None:
             await queue.put(msg)
 
-        cfg = api.ConsumerConfig(
-            deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE if from_seq else api.DeliverPolicy.ALL,
-            opt_start_seq=from_seq,
-        )
+        if from_time is not None:  # ``from_time``: the first message stored at or after it (epoch s)
+            start = datetime.datetime.fromtimestamp(from_time, datetime.UTC)
+            cfg = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_TIME, opt_start_time=start)
+        else:
+            cfg = api.ConsumerConfig(
+                deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE if from_seq else api.DeliverPolicy.ALL,
+                opt_start_seq=from_seq,
+            )
         view = stream is not None and stream != stream_name(run_id)
         sub = await self.js.subscribe(
             subject,

@@ -19,6 +19,7 @@ import msgspec
 
 __all__ = [
     "CATALOG",
+    "AlertRaised",
     "ArrayRef",
     "DeadLettered",
     "EvaluationReported",
@@ -275,6 +276,11 @@ class StepCompleted(EventBody, frozen=True):
     metrics: dict[str, float] = {}
     tokens: int = 0
     duration_s: float = 0.0
+    # Per completion token of the step's rollouts, in training order: float32 ``[tokens, 2]``,
+    # the trainer's log-probability of the token and how many MoE layers the trainer's own
+    # router would have sent it elsewhere than the replayed routes (0 for a dense model). What
+    # the monitor's rollout inspector colours tokens by; absent when not recorded.
+    token_stats: ArrayRef | None = None
 
 
 class PolicyVersionPublished(EventBody, frozen=True):
@@ -339,6 +345,25 @@ class EvaluationReported(EventBody, frozen=True):
     successes: list[int] = []
 
 
+AlertState = Literal["firing", "resolved"]
+
+
+class AlertRaised(EventBody, frozen=True):
+    """A monitor's alert on the run (consumers/monitor/alerts.py): ``rule`` fired (or resolved)
+    for ``key`` (a worker id, an env, or the rule's own name), at trainer step ``step``, with
+    the measured ``value`` against the rule's ``threshold``."""
+
+    TYPE: ClassVar[str] = "AlertRaised"
+    rule: str
+    key: str
+    state: AlertState
+    severity: Literal["warning", "critical"]
+    message: str
+    step: int
+    value: float = 0.0
+    threshold: float = 0.0
+
+
 class DeadLettered(EventBody, frozen=True):
     """A message that could never be processed, kept whole: its original bytes and headers."""
 
@@ -371,6 +396,7 @@ CATALOG: dict[str, type[EventBody]] = {
         WorkerHeartbeat,
         DeadLettered,
         EvaluationReported,
+        AlertRaised,
     )
 }
 

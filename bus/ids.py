@@ -133,3 +133,8 @@ def episode_payload_id(run_id: str, rollout: str) -> str:
 def dead_letter_id(run_id: str, consumer: str, stream_seq: int) -> str:
     """One per consumer and poisoned message: a dead letter re-sent after a crash is stored once."""
     return uuid.uuid5(uuid.NAMESPACE_URL, f"dlq/{run_id}/{consumer}/{stream_seq}").hex
+
+
+def alert_event_id(run_id: str, rule: str, key: str, state: str, step: int) -> str:
+    """One per alert transition and trainer step: monitors watching the same run raise it once."""
+    return derived_id(run_id, f"alert/{rule}/{key}/{state}/{step}")

@@ -10,6 +10,7 @@
     jetrl.<run>.worker.<kind>.<id>           WeightsLoaded, WorkerHeartbeat
     jetrl.<run>.dlq.<tenant>.<reason>        DeadLettered (tenant "jetrl": of a run-wide event)
     jetrl.<run>.eval.<tenant>.<env>          EvaluationReported
+    jetrl.<run>.alert.<rule>                 AlertRaised
 
 Run, tenant, environment, worker kind and id are single subject tokens, so NATS wildcards and
 permissions (``jetrl.<run>.*.<tenant>.>``) can filter and isolate them.
@@ -106,6 +107,10 @@ def all_dlq_subjects(run_id: str) -> str:
     return f"{run_prefix(run_id)}.dlq.>"
 
 
+def alert_subject(run_id: str, rule: str = "*") -> str:
+    return f"{run_prefix(run_id)}.alert.{_tok_or_wild(rule, 'alert rule')}"
+
+
 def _tok_or_wild(value: str, what: str) -> str:
     return value if value in ("*", ">") else check_token(value, what)
 
@@ -155,6 +160,7 @@ _SUBJECT_OF: dict[type[ev.EventBody], Callable[[ev.Event], str]] = {
     ev.StepCompleted: lambda e: step_subject(e.run_id),
     ev.PolicyVersionPublished: lambda e: policy_subject(e.run_id),
     ev.WeightsReady: lambda e: weights_subject(e.run_id),
+    ev.AlertRaised: lambda e: alert_subject(e.run_id, cast(ev.AlertRaised, e.body).rule),
     ev.WeightsLoaded: _worker_event,
     ev.WorkerHeartbeat: _worker_event,
     ev.DeadLettered: lambda e: dlq_subject(

@@ -54,6 +54,7 @@ PART_PUBLISH: dict[str, list[str]] = {
     "recorder": [],
     "producer": [f"{_RUN}.task.*.*", f"{_RUN}.rollout.*.*", f"{_RUN}.eval.*.*"],
     "gateway": [f"{_RUN}.task.*.*"],
+    "monitor": [f"{_RUN}.alert.*"],
 }
 ADMIN = "admin"  # the supervisor and the operator's commands: every permission
 JETRL_IDENTITIES = (ADMIN, *PART_PUBLISH)

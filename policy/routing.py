@@ -176,9 +176,13 @@ def capture_routing(model: nn.Module) -> Iterator[RoutingCapture]:
 
 
 @contextmanager
-def replay_routing(model: nn.Module, trace: torch.Tensor) -> Iterator[None]:
+def replay_routing(
+    model: nn.Module, trace: torch.Tensor, differs: list[torch.Tensor] | None = None
+) -> Iterator[None]:
     """Inside this context every forward routes token ``[b, l]`` of MoE layer ``j`` to
-    ``trace[b, l, j]`` (shape ``[B, L, moe_layers, top_k]``, L = the forward's input length)."""
+    ``trace[b, l, j]`` (shape ``[B, L, moe_layers, top_k]``, L = the forward's input length).
+    With ``differs``, each MoE layer appends a bool ``[B, L]``: where the model's own router
+    would have chosen another set of experts than the replayed one."""
     routers = moe_routers(model)
     if trace.ndim != 4 or trace.shape[2] != len(routers):
         raise TraceError(f"replay trace must be [B, L, {len(routers)}, top_k], got {tuple(trace.shape)}")
@@ -199,6 +203,10 @@ def replay_routing(model: nn.Module, trace: torch.Tensor) -> Iterator[None]:
             # Gate weights from the trainer's own scores at the replayed experts, normalised the
             # way torchtitan normalises its own top-k (route_norm, route_scale): with the same
             # weights this is bit-identical to the unreplayed forward.
+            if differs is not None:
+                with torch.no_grad():
+                    own, replayed = own_ids.sort(dim=-1).values, ids.sort(dim=-1).values
+                    differs.append((own != replayed).any(dim=-1))
             weights = scores.gather(-1, ids)
             if mod.route_norm:
                 weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)

@@ -129,15 +129,17 @@ def compute_logprobs(
     replay: bool = True,
     with_entropy: bool = False,
     entropy_grad: bool = True,
+    route_differs: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Trainer log-probs ``[B, L-1]`` of each next token, replaying the batch's routing when
-    ``replay`` (an MoE batch without traces is an error then)."""
+    ``replay`` (an MoE batch without traces is an error then). ``route_differs``: see
+    :func:`replay_routing`."""
     cfg = model_config(model)
     inputs, targets = batch.input_ids[:, :-1], batch.input_ids[:, 1:]
     if replay and cfg.is_moe:
         if batch.routing is None:
             raise TraceError("replay=True but the batch carries no routing traces")
-        with replay_routing(model, batch.routing):
+        with replay_routing(model, batch.routing, route_differs):
             logits = model(inputs)
     else:
         logits = model(inputs)
@@ -152,9 +154,13 @@ def forward_backward(
     temperature: float = 1.0,
     replay: bool = True,
     num_tokens: int | None = None,
+    token_stats: list[torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """Forward (with replay), loss, backward; gradients accumulate. ``num_tokens`` is the loss
-    normaliser of the whole step when it spans several micro-batches."""
+    normaliser of the whole step when it spans several micro-batches. With ``token_stats``,
+    appends the batch's float32 ``[B, L-1, 2]``: each next token's trainer log-prob and the
+    number of MoE layers whose own routing differed from the replayed one."""
+    differs: list[torch.Tensor] | None = [] if token_stats is not None else None
     lp, ent = compute_logprobs(
         model,
         batch,
@@ -162,7 +168,11 @@ def forward_backward(
         replay=replay,
         with_entropy=True,  # always a metric; in the loss (with its gradient) only when weighted
         entropy_grad=loss_cfg.entropy_coef > 0,
+        route_differs=differs,
     )
+    if token_stats is not None:
+        n_diff = torch.stack(differs).sum(0).float() if differs else torch.zeros_like(lp)
+        token_stats.append(torch.stack([lp.detach().float(), n_diff.to(lp.device)], dim=-1))
     loss, metrics = rl_loss(
         lp,
         batch.inference_logprobs,
@@ -185,16 +195,26 @@ def train_step(
     temperature: float = 1.0,
     replay: bool = True,
     max_grad_norm: float | None = 1.0,
+    token_stats: list[torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """One optimizer step over a batch (or micro-batches, normalised by their total token
-    count). Returns the metrics (token-weighted over micro-batches) plus ``grad_norm``."""
+    count). Returns the metrics (token-weighted over micro-batches) plus ``grad_norm``;
+    ``token_stats`` collects each micro-batch's (see :func:`forward_backward`)."""
     batches = [batch] if isinstance(batch, TrainBatch) else list(batch)
     total = max(sum(b.num_tokens for b in batches), 1)
     model.train()
     optimizer.zero_grad(set_to_none=True)
     metrics: dict[str, float] = {}
     for b in batches:
-        m = forward_backward(model, b, loss_cfg, temperature=temperature, replay=replay, num_tokens=total)
+        m = forward_backward(
+            model,
+            b,
+            loss_cfg,
+            temperature=temperature,
+            replay=replay,
+            num_tokens=total,
+            token_stats=token_stats,
+        )
         w = b.num_tokens / total
         for k, v in m.items():
             if k in ("loss", "pg_loss", "kl", "num_tokens"):

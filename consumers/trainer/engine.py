@@ -35,6 +35,12 @@ class TrainEngine(Protocol):
         """One optimizer step on ``rollouts``, in this order; returns the step's metrics."""
         ...
 
+    def step_token_stats(self) -> list[torch.Tensor] | None:
+        """Of the last ``step``, per rollout: float32 ``[completion tokens, 2]``, each token's
+        trainer log-prob and how many MoE layers' own routing differed from the replayed one
+        (None: the engine does not record them). What the monitor's inspector shows."""
+        ...
+
     def checksum(self) -> str:
         """The weights checksum (policy/weights.py) over canonical full tensors."""
         ...

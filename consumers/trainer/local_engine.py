@@ -33,6 +33,7 @@ class LocalTrainEngine:
         self.optimizer = make_optimizer(self.model, lr=s.lr, weight_decay=s.weight_decay)
         self.loss_cfg = LossConfig(kl_coef=s.kl_coef, entropy_coef=s.entropy_coef)
         self.replay = s.replay and self.mcfg.is_moe
+        self.last_token_stats: list[torch.Tensor] | None = None
 
     def logprobs(self, rollouts: Sequence[Rollout]) -> list[torch.Tensor]:
         batch = collate(rollouts, self.mcfg)
@@ -41,7 +42,8 @@ class LocalTrainEngine:
         return [lp[i][batch.loss_mask[i]] for i in range(len(rollouts))]
 
     def step(self, rollouts: Sequence[Rollout]) -> dict[str, float]:
-        return train_step(
+        stats: list[torch.Tensor] = []
+        metrics = train_step(
             self.model,
             self.optimizer,
             collate(rollouts, self.mcfg),
@@ -49,7 +51,17 @@ class LocalTrainEngine:
             replay=self.replay,
             max_grad_norm=self.s.max_grad_norm,
             temperature=self.temperature,
+            token_stats=stats,
         )
+        rows = stats[0]
+        self.last_token_stats = [
+            rows[i, len(r.prompt_ids) - 1 : len(r.prompt_ids) - 1 + len(r.completion_ids)]
+            for i, r in enumerate(rollouts)
+        ]
+        return metrics
+
+    def step_token_stats(self) -> list[torch.Tensor] | None:
+        return self.last_token_stats
 
     def checksum(self) -> str:
         return checksum(self.model)

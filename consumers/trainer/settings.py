@@ -31,6 +31,9 @@ class TrainerSettings(Section):
     # The layout of the weights it publishes: jetrl's (torchtitan names, grouped experts) or
     # Hugging Face's (per-expert tensors), for engines that load that. Checksums are the same.
     weights_layout: Literal["jetrl", "hf"] = "jetrl"
+    # Each step's per-token trainer log-probs and routing differences, published with its
+    # StepCompleted (8 bytes a completion token) for the monitor's rollout inspector.
+    record_token_stats: bool = True
 
 
 class TrainerPart(Section):

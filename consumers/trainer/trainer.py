@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
+import torch
 
 from jetrl.bus import events as ev
 from jetrl.bus import ids, subjects
@@ -53,6 +54,7 @@ from jetrl.consumers.trainer.replay import Replayer, ReplayError, read_rollouts,
 from jetrl.consumers.trainer.settings import TrainerPart
 from jetrl.consumers.trainer.withholding import ScoredDelivery, rollout_consumer_spec, withheld_event
 from jetrl.policy.origin import model_config_of
+from jetrl.policy.train import Rollout
 
 # WeightsReady.format of each [trainer] weights_layout (docs/events.md).
 WEIGHTS_FORMATS = {"jetrl": "safetensors", "hf": "safetensors-hf"}
@@ -224,6 +226,7 @@ class Trainer:
         metrics: dict[str, float],
         tokens: int,
         duration_s: float,
+        token_stats: ev.ArrayRef | None = None,
     ) -> int:
         """StepCompleted first: with the logged rollouts it determines the new weights, so a
         crash before they are announced is repaired by replay. Returns its stream sequence."""
@@ -237,6 +240,7 @@ class Trainer:
                     metrics=metrics,
                     tokens=tokens,
                     duration_s=duration_s,
+                    token_stats=token_stats,
                 ),
                 run_id=self.run_id,
                 event_id=ids.step_event_id(self.run_id, step),
@@ -266,6 +270,7 @@ class Trainer:
         rewards = [b.reward for b in bodies]
         stale = [self.version - b.policy_version_start for b in bodies]
         metrics = await asyncio.to_thread(self.core.train, rollouts)
+        token_stats = await self.token_stats(rollouts, metrics, self.version)
         step = self.version
         self.version += 1
         tokens = sum(len(r.completion_ids) for r in rollouts)
@@ -300,6 +305,7 @@ class Trainer:
             metrics=metrics,
             tokens=tokens,
             duration_s=duration,
+            token_stats=token_stats,
         )
         # StepCompleted is durable: only now are the rollouts settled.
         for g in groups:
@@ -318,6 +324,32 @@ class Trainer:
             loss=round(metrics.get("loss", 0.0), 5),
             step_s=round(duration, 3),
         )
+
+    async def token_stats(
+        self, rollouts: list[Rollout], metrics: dict[str, float], step: int
+    ) -> ev.ArrayRef | None:
+        """The step's per-token trainer log-probs and routing differences as one array (in the
+        payload store when large), and ``mismatch_kl_max``: the largest per-rollout mismatch
+        KL, the k3 estimate as ``mismatch_kl`` but over each rollout's model tokens."""
+        stats = self.core.engine.step_token_stats()
+        if not stats:
+            return None
+        worst = 0.0
+        for r, s in zip(rollouts, stats, strict=True):
+            model_tokens = (
+                torch.ones(len(r.completion_ids), dtype=torch.bool)
+                if r.completion_mask is None
+                else torch.as_tensor(list(r.completion_mask), dtype=torch.bool)
+            )
+            if model_tokens.any():
+                lr = (s[:, 0].double() - r.inference_logprobs.double())[model_tokens]
+                worst = max(worst, float((lr.exp() - 1 - lr).mean()))
+        metrics["mismatch_kl_max"] = worst
+        if not self.s.record_token_stats:
+            return None
+        assert self.payloads is not None
+        flat = torch.cat(stats).float().numpy()
+        return await self.payloads.put_array(f"token-stats-{step}", flat)
 
     def done(self) -> bool:
         if self.version >= self.s.max_steps:

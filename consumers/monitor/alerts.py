@@ -1,0 +1,156 @@
+"""Alert rules over the monitor's state: what fires, what resolves, as AlertRaised bodies.
+
+Each rule looks at the state at a moment ``now`` (the wall clock for a live run, the newest
+event's time when folding history) and says, per key, whether its condition holds and the
+value it measured. :class:`Alerts` remembers which alerts are firing and returns only the
+transitions, so an alert is raised once and resolved once; the monitor part publishes them
+under ids derived from (rule, key, state, step), so two monitors of one run raise each once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+from jetrl.bus import events as ev
+from jetrl.consumers.monitor.series import MonitorState
+from jetrl.consumers.monitor.settings import AlertSettings
+
+
+@dataclass(frozen=True)
+class Condition:
+    rule: str
+    key: str
+    holds: bool
+    value: float
+    threshold: float
+    severity: Literal["warning", "critical"]
+    message: str
+
+
+def _version_lag(state: MonitorState, s: AlertSettings) -> int:
+    if s.max_version_lag is not None:
+        return s.max_version_lag
+    lag = state.config.get("trainer", {}).get("max_off_policy_steps", 2)
+    return int(lag) if isinstance(lag, int | float) else 2
+
+
+def conditions(state: MonitorState, s: AlertSettings, now: float) -> Iterator[Condition]:
+    running = state.finished is None
+    steps = list(state.steps)
+
+    # The trainer stalled: no step for long, once it has stepped.
+    if state.last_step_t is not None:
+        gaps = [b.t - a.t for a, b in itertools.pairwise(steps)]
+        limit = max(s.trainer_stall_s, 10 * statistics.median(gaps)) if gaps else s.trainer_stall_s
+        idle = now - state.last_step_t
+        yield Condition(
+            "trainer_stalled",
+            "trainer",
+            running and idle > limit,
+            idle,
+            limit,
+            "critical",
+            f"no trainer step for {idle:.0f} s (limit {limit:.0f} s)",
+        )
+
+    lag_limit = _version_lag(state, s)
+    for w in state.workers.values():
+        age = now - w.last_seen
+        lost = running and w.status != "stopping" and age > s.heartbeat_lost_s
+        yield Condition(
+            "heartbeat_lost",
+            w.worker_id,
+            lost,
+            age,
+            s.heartbeat_lost_s,
+            "critical",
+            f"worker {w.worker_id} silent for {age:.0f} s",
+        )
+        if w.kind == "inference" and w.loaded_version is not None:
+            lag = state.latest_version - w.loaded_version
+            yield Condition(
+                "stale_version",
+                w.worker_id,
+                running and not lost and lag > lag_limit,
+                float(lag),
+                float(lag_limit),
+                "warning",
+                f"worker {w.worker_id} serves v{w.loaded_version}, {lag} behind v{state.latest_version}",
+            )
+
+    recent = state.dead_letters_since(now - 60.0)
+    yield Condition(
+        "dead_letters_rising",
+        "run",
+        recent >= s.dead_letters_per_min,
+        float(recent),
+        float(s.dead_letters_per_min),
+        "warning",
+        f"{recent} dead letters in the last minute",
+    )
+
+    if steps:
+        last = steps[-1]
+        kl = last.trainer.get("mismatch_kl", 0.0)
+        yield Condition(
+            "mismatch_kl",
+            "trainer",
+            kl > s.mismatch_kl,
+            kl,
+            s.mismatch_kl,
+            "warning",
+            f"train/inference mismatch KL {kl:.4f} at step {last.step} (threshold {s.mismatch_kl})",
+        )
+
+    n = s.reward_window
+    if len(steps) >= 2 * n:
+        rewards = [p.reward_mean for p in steps]
+        means = [sum(rewards[i - n : i]) / n for i in range(n, len(rewards) + 1)]
+        best, now_mean = max(means), means[-1]
+        drop = (best - now_mean) / abs(best) if best else 0.0
+        yield Condition(
+            "reward_collapse",
+            "run",
+            best > 0 and drop >= s.reward_drop,
+            now_mean,
+            best * (1 - s.reward_drop),
+            "critical",
+            f"reward ({n}-step mean) {now_mean:.3f}, down {100 * drop:.0f}% from its best {best:.3f}",
+        )
+
+
+class Alerts:
+    """Which alerts are firing; ``check`` returns the transitions since the last call."""
+
+    def __init__(self, settings: AlertSettings) -> None:
+        self.s = settings
+        self.firing: set[tuple[str, str]] = set()
+
+    def check(self, state: MonitorState, now: float) -> list[ev.AlertRaised]:
+        step = state.steps[-1].step if state.steps else -1
+        out = []
+        for c in conditions(state, self.s, now):
+            key = (c.rule, c.key)
+            if c.holds == (key in self.firing):
+                continue
+            if c.holds:
+                self.firing.add(key)
+            else:
+                self.firing.discard(key)
+            out.append(
+                ev.AlertRaised(
+                    rule=c.rule,
+                    key=c.key,
+                    state="firing" if c.holds else "resolved",
+                    severity=c.severity,
+                    message=c.message if c.holds else f"resolved: {c.message}",
+                    step=step,
+                    value=round(c.value, 6),
+                    threshold=round(c.threshold, 6),
+                )
+            )
+        return out

@@ -1,0 +1,178 @@
+"""The rollout inspector: a step's rollouts, token by token, from the run's log.
+
+For a step it reads the StepCompleted, the RolloutScored events at the sequences the step
+recorded, their arrays (inline, in the log, or in the payload store) and the step's token
+records (trainer log-probs and routing differences, ``StepCompleted.token_stats``), and
+returns for each rollout its text, reward and parts, versions and staleness, and per
+completion token: its text, the inference and trainer log-probs, their gap, and in how many
+MoE layers the trainer's own router disagreed with the replayed routes. Without a bus (a
+finished run whose server is gone) it returns what the store knows: no tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+
+from jetrl.bus import events as ev
+from jetrl.bus import subjects
+from jetrl.bus.client import Bus
+from jetrl.bus.payloads import Payloads
+from jetrl.bus.streams import stream_name
+from jetrl.policy.settings import ModelSettings
+from jetrl.policy.tokenizer import Tokenizer, tokenizer_for
+from jetrl.store.db import Store
+
+
+class Inspector:
+    def __init__(self, run_id: str, *, bus: Bus | None = None, store: Store | None = None) -> None:
+        self.run_id = run_id
+        self.bus = bus
+        self.store = store
+        self.config: dict[str, Any] = {}
+        self._steps: dict[int, tuple[int, ev.StepCompleted]] = {}
+        self._payloads: Payloads | None = None
+
+    @functools.cached_property
+    def tokenizer(self) -> Tokenizer:
+        return tokenizer_for(ModelSettings(**self.config.get("model", {})))
+
+    async def _event(self, seq: int) -> ev.Event:
+        assert self.bus is not None
+        msg = await self.bus.js.get_msg(stream_name(self.run_id), seq)
+        return ev.decode_event(msg.data or b"", dict(msg.headers or {}))
+
+    async def _find_step(self, step: int) -> tuple[int, ev.StepCompleted] | None:
+        assert self.bus is not None
+        if step not in self._steps:
+            async for item in self.bus.tail(
+                self.run_id, filter_subject=subjects.step_subject(self.run_id), to_head=True
+            ):
+                if item.event is not None and isinstance(item.event.body, ev.StepCompleted):
+                    self._steps.setdefault(item.event.body.step, (item.seq, item.event.body))
+        return self._steps.get(step)
+
+    async def step(self, step: int) -> dict[str, Any] | None:
+        if self.bus is None:
+            return self._from_store(step)
+        if not self.config:
+            async for item in self.bus.tail(
+                self.run_id, filter_subject=subjects.run_subject(self.run_id), to_head=True
+            ):
+                if item.event is not None and isinstance(item.event.body, ev.RunStarted):
+                    self.config = dict(item.event.body.config)
+                    break
+        found = await self._find_step(step)
+        if found is None:
+            return None
+        _, body = found
+        if self._payloads is None:
+            self._payloads = await Payloads.for_run(self.bus.js, self.run_id)
+        stats = None
+        if body.token_stats is not None:
+            stats = (await self._payloads.get_array(body.token_stats)).reshape(-1, 2)
+        rollouts, offset = [], 0
+        for rid, seq in zip(body.rollout_ids, body.rollout_seqs, strict=False):
+            event = await self._event(seq)
+            r = event.body
+            if not isinstance(r, ev.RolloutScored) or r.rollout_id != rid:
+                rollouts.append({"rollout_id": rid, "error": f"log position {seq} holds no such rollout"})
+                continue
+            out = await self._rollout(step, event, r, stats, offset)
+            offset += len(out["tokens"])
+            rollouts.append(out)
+        return {
+            "step": body.step,
+            "policy_version": body.policy_version,
+            "recorded": stats is not None,
+            "metrics": {k: body.metrics[k] for k in ("mismatch_kl", "mismatch_kl_max") if k in body.metrics},
+            "rollouts": rollouts,
+        }
+
+    async def _rollout(
+        self, step: int, event: ev.Event, r: ev.RolloutScored, stats: np.ndarray | None, offset: int
+    ) -> dict[str, Any]:
+        assert self._payloads is not None
+        gen_id = r.generation_event_id
+        prompt = (await self._payloads.get_array(r.prompt_tokens, of_event=gen_id)).tolist()
+        completion = (await self._payloads.get_array(r.completion_tokens, of_event=gen_id)).tolist()
+        inf_lp = (await self._payloads.get_array(r.logprobs, of_event=gen_id)).astype(np.float64).tolist()
+        mask = [1] * len(completion)
+        if r.completion_mask is not None:
+            mask = (await self._payloads.get_array(r.completion_mask)).tolist()
+        finish = ""
+        if isinstance(r.completion_tokens, ev.LogArray):  # the generation's event, where the array lies
+            gen = (await self._event(r.completion_tokens.seq)).body
+            if isinstance(gen, ev.GenerationCompleted):
+                finish = gen.finish_reason
+        mine = stats[offset : offset + len(completion)] if stats is not None else None
+        if mine is not None and len(mine) != len(completion):
+            mine = None  # the token records do not line up with this rollout: show none
+        tok = self.tokenizer
+        tokens = []
+        gaps = []
+        for i, t in enumerate(completion):
+            train_lp = float(mine[i, 0]) if mine is not None else None
+            gap = (train_lp - inf_lp[i]) if train_lp is not None and mask[i] else None
+            if gap is not None:
+                gaps.append(abs(gap))
+            tokens.append(
+                {
+                    "text": tok.decode([t], skip_special=False, stop_at_eos=False),
+                    "id": t,
+                    "model": bool(mask[i]),
+                    "inference_lp": round(inf_lp[i], 5),
+                    "train_lp": None if train_lp is None else round(train_lp, 5),
+                    "gap": None if gap is None else round(gap, 5),
+                    "route_diff": None if mine is None else int(mine[i, 1]),
+                }
+            )
+        return {
+            "rollout_id": r.rollout_id,
+            "tenant": event.tenant,
+            "env": r.env,
+            "reward": r.reward,
+            "reward_parts": dict(r.reward_parts),
+            "policy_version_start": r.policy_version_start,
+            "policy_version_end": r.policy_version_end,
+            "staleness": step - r.policy_version_start,
+            "turns": r.turns,
+            "finish_reason": finish,
+            "prompt_text": tok.decode(prompt, skip_special=False, stop_at_eos=False),
+            "completion_text": tok.decode(completion, skip_special=False, stop_at_eos=False),
+            "gap_abs_mean": round(sum(gaps) / len(gaps), 6) if gaps else None,
+            "gap_abs_max": round(max(gaps), 6) if gaps else None,
+            "route_diff_tokens": None if mine is None else int((mine[:, 1] > 0).sum()),
+            "tokens": tokens,
+        }
+
+    def _from_store(self, step: int) -> dict[str, Any] | None:
+        from jetrl.store import queries
+
+        assert self.store is not None
+        rows = queries.step_rollouts(self.store, self.run_id, step)
+        if not rows:
+            return None
+        return {
+            "step": step,
+            "recorded": False,
+            "metrics": {},
+            "rollouts": [
+                {
+                    "rollout_id": r.rollout_id,
+                    "tenant": r.tenant,
+                    "env": r.env,
+                    "reward": r.reward,
+                    "reward_parts": {},
+                    "policy_version_start": r.policy_version_start,
+                    "policy_version_end": r.policy_version_end,
+                    "staleness": r.staleness,
+                    "completion_tokens": r.completion_tokens,
+                    "tokens": [],
+                    "note": "the run's log is not reachable: tokens are read from the log",
+                }
+                for r in rows
+            ],
+        }

@@ -1,0 +1,321 @@
+"""The monitor's fold: a run's log (or its store) in, the series people watch out.
+
+The log is turned into small records (:mod:`records`), and :class:`MonitorState` folds them
+in sequence order. The store path builds the same records from its rows, so a finished run's
+dashboard shows exactly what the live one showed (tests/monitor checks that the two agree).
+
+Per trainer step, a :class:`StepPoint` holds the step's figures: the trainer's own metrics
+(loss, mismatch KL, entropy, masked share, gradient norm, idle share) and what only the log
+knows: the reward per environment and tenant of the rollouts the step trained on, their
+length and truncated share, the staleness of what was still queued, the tokens per second, the
+share of inference time spent waiting for weights, and the backlog of tasks and rollouts.
+Between steps, the state keeps the workers (heartbeat, loaded version), dead letters, withheld
+rollouts and alerts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from jetrl.consumers.monitor import records as rec
+
+# The trainer's metrics each StepPoint carries under its own name (0.0 where the engine
+# reports none; ``mismatch_kl_max`` comes from the token records, see trainer.py).
+TRAINER_METRICS = (
+    "loss",
+    "mismatch_kl",
+    "mismatch_kl_max",
+    "entropy",
+    "masked_frac",
+    "grad_norm",
+    "trainer_idle_frac",
+    "trainer_wait_s",
+)
+_GENERATIONS_KEPT = 200_000  # generations waiting for their rollout's step (a bound, not a target)
+
+
+@dataclass(frozen=True, slots=True)
+class StepPoint:
+    step: int
+    policy_version: int
+    t: float  # the StepCompleted's time (epoch seconds)
+    seq: int
+    rollouts: int
+    tokens: int
+    reward_mean: float
+    reward_by_env: dict[str, float]
+    reward_by_tenant: dict[str, float]
+    trainer: dict[str, float]  # TRAINER_METRICS
+    staleness_mean: float  # of the rollouts trained (in flight when generated)
+    staleness_max: float
+    queue_staleness_mean: float  # of the scored rollouts still queued after the step
+    seq_len_mean: float  # completion tokens per trained rollout
+    truncated_frac: float  # share of trained rollouts cut at max_tokens
+    tokens_per_s: float
+    inference_weight_wait_frac: float  # of inference time since the last step, spent waiting for weights
+    withheld_total: int
+    dead_letters_total: int
+    pending_samples: int  # samples asked for by tasks and not generated yet
+    pending_rollouts: int  # scored rollouts neither trained nor withheld
+
+    def scalars(self) -> dict[str, float]:
+        """The step's figures under the names trackers and the web page chart them by."""
+        out = {
+            "reward/mean": self.reward_mean,
+            **{f"reward/env/{k}": v for k, v in self.reward_by_env.items()},
+            **{f"reward/tenant/{k}": v for k, v in self.reward_by_tenant.items()},
+            **{f"trainer/{k}": v for k, v in self.trainer.items()},
+            "staleness/mean": self.staleness_mean,
+            "staleness/max": self.staleness_max,
+            "staleness/queued_mean": self.queue_staleness_mean,
+            "rollouts/seq_len_mean": self.seq_len_mean,
+            "rollouts/truncated_frac": self.truncated_frac,
+            "rollouts/count": float(self.rollouts),
+            "throughput/tokens_per_s": self.tokens_per_s,
+            "inference/weight_wait_frac": self.inference_weight_wait_frac,
+            "totals/withheld": float(self.withheld_total),
+            "totals/dead_letters": float(self.dead_letters_total),
+            "queue/pending_samples": float(self.pending_samples),
+            "queue/pending_rollouts": float(self.pending_rollouts),
+        }
+        return {k: (v if math.isfinite(v) else 0.0) for k, v in out.items()}
+
+    def as_json(self) -> dict[str, Any]:
+        return {"step": self.step, "version": self.policy_version, "t": self.t, **self.scalars()}
+
+
+@dataclass(slots=True)
+class WorkerState:
+    worker_id: str
+    kind: str
+    status: str = "starting"
+    loaded_version: int | None = None
+    inflight: int = 0
+    last_seen: float = 0.0  # the time of its last heartbeat
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class AlertView:
+    """An alert as dashboards list it: its last transition."""
+
+    rule: str
+    key: str
+    state: str
+    severity: str
+    message: str
+    step: int
+    t: float
+
+
+@dataclass(slots=True)
+class _Rollout:
+    tenant: str
+    env: str
+    reward: float
+    version_start: int
+    length: int
+    generation_event_id: str
+    scored_seq: int
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def _means_by(pairs: list[tuple[str, float]]) -> dict[str, float]:
+    acc: dict[str, list[float]] = {}
+    for k, v in pairs:
+        acc.setdefault(k, []).append(v)
+    return {k: _mean(v) for k, v in sorted(acc.items())}
+
+
+class MonitorState:
+    """The fold. ``apply`` takes records in log order; ``steps`` is the series so far."""
+
+    def __init__(self, run_id: str, *, keep_steps: int | None = None) -> None:
+        self.run_id = run_id
+        self.steps: deque[StepPoint] = deque(maxlen=keep_steps)
+        self.config: dict[str, Any] = {}
+        self.started_at: float | None = None
+        self.last_step_t: float | None = None
+        self.finished: rec.Finished | None = None
+        self.last_seq = 0
+        self.last_t = 0.0  # the time of the newest record: "now" when folding history
+        self.workers: dict[str, WorkerState] = {}
+        self.withheld_by_reason: dict[str, int] = {}
+        self.dead_by_reason: dict[str, int] = {}
+        self.dead_times: deque[float] = deque(maxlen=10_000)
+        self.alerts: dict[tuple[str, str], AlertView] = {}
+        self.alert_counts: dict[str, int] = {}
+        self.latest_version = 0
+        self.events = 0
+        self.undecodable = 0  # messages of the log that are not events (counted, not folded)
+        self.from_step: int | None = None  # steps before it are folded but not kept as points
+        self._queued: dict[str, _Rollout] = {}  # scored, neither trained nor withheld
+        self._generations: OrderedDict[str, rec.Generated] = OrderedDict()
+        self._asked = 0  # samples asked for by tasks
+        self._generated = 0
+        self._wait_since_step = 0.0  # inference load_wait_s since the last step
+        self._busy_since_step = 0.0  # inference generate_s since the last step
+
+    # ------------------------------------------------------------------ folding
+
+    def apply(self, r: rec.Record) -> StepPoint | None:
+        """Fold one record; returns the new StepPoint when it was a step."""
+        if r.seq <= self.last_seq:
+            return None  # a record seen already (a reader resumed from an earlier point)
+        self.last_seq = r.seq
+        self.last_t = max(self.last_t, r.t)
+        self.events += 1
+        match r:
+            case rec.Tasked():
+                self._asked += r.samples
+            case rec.Generated():
+                self._generated += 1
+                self._wait_since_step += r.load_wait_s
+                self._busy_since_step += r.generate_s
+                self._generations[r.event_id] = r
+                if len(self._generations) > _GENERATIONS_KEPT:
+                    self._generations.popitem(last=False)
+            case rec.Scored():
+                self._queued[r.rollout_id] = _Rollout(
+                    r.tenant, r.env, r.reward, r.version_start, r.length, r.generation_event_id, r.seq
+                )
+            case rec.Withheld():
+                self._queued.pop(r.rollout_id, None)
+                self.withheld_by_reason[r.reason] = self.withheld_by_reason.get(r.reason, 0) + 1
+            case rec.Stepped():
+                return self._step(r)
+            case rec.Dead():
+                self.dead_by_reason[r.reason] = self.dead_by_reason.get(r.reason, 0) + 1
+                self.dead_times.append(r.t)
+            case rec.Beat():
+                w = self._worker(r.worker_id, r.kind)
+                w.status, w.inflight, w.last_seen, w.stats = r.status, r.inflight, r.t, dict(r.stats)
+                if r.loaded_version is not None:
+                    w.loaded_version = r.loaded_version
+            case rec.Loaded():
+                w = self._worker(r.worker_id, "inference")
+                w.loaded_version = r.version
+                w.last_seen = max(w.last_seen, r.t)
+            case rec.Alerted():
+                self.note_alert(AlertView(r.rule, r.key, r.state, r.severity, r.message, r.step, r.t))
+            case rec.Started():
+                self.config = dict(r.config)
+                self.started_at = r.t
+            case rec.Finished():
+                self.finished = r
+        return None
+
+    def note_alert(self, a: AlertView) -> None:
+        """An alert transition, from the log or evaluated here (whose event, if published,
+        folds in later: the same transition is counted once)."""
+        prev = self.alerts.get((a.rule, a.key))
+        self.alerts[(a.rule, a.key)] = a
+        if prev is not None and (prev.state, prev.step) == (a.state, a.step):
+            return
+        if a.state == "firing":
+            self.alert_counts[a.rule] = self.alert_counts.get(a.rule, 0) + 1
+
+    def _worker(self, worker_id: str, kind: str) -> WorkerState:
+        w = self.workers.get(worker_id)
+        if w is None:
+            w = self.workers[worker_id] = WorkerState(worker_id, kind)
+        return w
+
+    def _step(self, r: rec.Stepped) -> StepPoint | None:
+        trained = [self._queued.pop(rid) for rid in r.rollout_ids if rid in self._queued]
+        gens = [self._generations.pop(x.generation_event_id, None) for x in trained]
+        since = self.last_step_t if self.last_step_t is not None else self.started_at
+        span = r.t - since if since is not None else 0.0
+        stale = [float(r.step - x.version_start) for x in trained]
+        queued = [float(r.step + 1 - x.version_start) for x in self._queued.values()]
+        known = [g for g in gens if g is not None]
+        inference_s = self._wait_since_step + self._busy_since_step
+        point = StepPoint(
+            step=r.step,
+            policy_version=r.version,
+            t=r.t,
+            seq=r.seq,
+            rollouts=len(r.rollout_ids),
+            tokens=r.tokens,
+            reward_mean=_mean([x.reward for x in trained]),
+            reward_by_env=_means_by([(x.env, x.reward) for x in trained]),
+            reward_by_tenant=_means_by([(x.tenant, x.reward) for x in trained]),
+            trainer={k: float(r.metrics.get(k, 0.0)) for k in TRAINER_METRICS},
+            staleness_mean=_mean(stale),
+            staleness_max=max(stale, default=0.0),
+            queue_staleness_mean=_mean(queued),
+            seq_len_mean=_mean([float(x.length) for x in trained]),
+            truncated_frac=_mean([1.0 if g.finish_reason == "length" else 0.0 for g in known]),
+            tokens_per_s=r.tokens / span if span > 0 else 0.0,
+            inference_weight_wait_frac=self._wait_since_step / inference_s if inference_s > 0 else 0.0,
+            withheld_total=sum(self.withheld_by_reason.values()),
+            dead_letters_total=sum(self.dead_by_reason.values()),
+            pending_samples=max(0, self._asked - self._generated),
+            pending_rollouts=len(self._queued),
+        )
+        self._wait_since_step = self._busy_since_step = 0.0
+        self.latest_version = max(self.latest_version, r.version)
+        self.last_step_t = r.t
+        if self.from_step is not None and r.step < self.from_step:
+            return None
+        self.steps.append(point)
+        return point
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def pending_samples(self) -> int:
+        return max(0, self._asked - self._generated)
+
+    @property
+    def pending_rollouts(self) -> int:
+        return len(self._queued)
+
+    def dead_letters_since(self, t: float) -> int:
+        return sum(1 for x in self.dead_times if x >= t)
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        """Everything a dashboard shows at ``now``, as JSON-ready values."""
+        last = self.steps[-1] if self.steps else None
+        return {
+            "run_id": self.run_id,
+            "status": self.finished.status if self.finished else "running",
+            "events": self.events,
+            "last_seq": self.last_seq,
+            "now": now,
+            "latest": last.as_json() if last else None,
+            "workers": [
+                {
+                    "worker_id": w.worker_id,
+                    "kind": w.kind,
+                    "status": w.status,
+                    "loaded_version": w.loaded_version,
+                    "inflight": w.inflight,
+                    "heartbeat_age_s": round(max(0.0, now - w.last_seen), 1),
+                }
+                for w in sorted(self.workers.values(), key=lambda w: w.worker_id)
+            ],
+            "withheld": dict(sorted(self.withheld_by_reason.items())),
+            "dead_letters": dict(sorted(self.dead_by_reason.items())),
+            "pending_samples": self.pending_samples,
+            "pending_rollouts": self.pending_rollouts,
+            "alerts": [
+                {
+                    "rule": a.rule,
+                    "key": a.key,
+                    "state": a.state,
+                    "severity": a.severity,
+                    "message": a.message,
+                    "step": a.step,
+                    "t": a.t,
+                }
+                for a in sorted(self.alerts.values(), key=lambda a: -a.t)
+            ],
+            "alert_counts": dict(sorted(self.alert_counts.items())),
+        }
