@@ -15,6 +15,7 @@ from typing import Any, Protocol, TypeAlias, TypeVar, cast
 
 from jetrl.bus import events as ev
 from jetrl.store.specs import (
+    ALERTS,
     DEAD_LETTERS,
     EVALUATIONS,
     GENERATIONS,
@@ -76,6 +77,11 @@ def _finite(d: Mapping[str, Any]) -> dict[str, Any]:
         else:
             out[k] = v
     return out
+
+
+def _number(v: float) -> float | None:
+    # SQLite stores NaN as NULL (a NOT NULL column refuses it): NULL on both backends.
+    return None if math.isnan(v) else v
 
 
 _ITEMSIZE = {
@@ -356,6 +362,23 @@ def _evaluation_reported(item: Logged, b: ev.EvaluationReported) -> list[Partial
     return [Partial(EVALUATIONS, (e.run_id, e.tenant, b.env, b.policy_version), item.seq, values)]
 
 
+def _alert_raised(item: Logged, b: ev.AlertRaised) -> list[Partial]:
+    e = item.event
+    values = {
+        "rule": b.rule,
+        "key": b.key,
+        "state": b.state,
+        "severity": b.severity,
+        "message": b.message,
+        "step": b.step,
+        "value": _number(b.value),
+        "threshold": _number(b.threshold),
+        "raised_at": e.time,
+        "seq": item.seq,
+    }
+    return [Partial(ALERTS, (e.run_id, e.event_id), item.seq, values)]
+
+
 # ----------------------------------------------------------------------------- the table
 
 B = TypeVar("B", bound=ev.EventBody)
@@ -383,6 +406,7 @@ PROJECTORS: dict[type[ev.EventBody], Projector[ev.EventBody]] = dict(
         _entry(ev.WeightsLoaded, _weights_loaded),
         _entry(ev.DeadLettered, _dead_lettered),
         _entry(ev.EvaluationReported, _evaluation_reported),
+        _entry(ev.AlertRaised, _alert_raised),
     ]
 )
 

@@ -18,6 +18,7 @@ from jetrl.store import schema as sc
 from jetrl.store.db import Store
 
 __all__ = [
+    "AlertRow",
     "DeadLetterRow",
     "EvaluationRow",
     "EvaluationSummary",
@@ -28,6 +29,8 @@ __all__ = [
     "StepRow",
     "TenantSummary",
     "WorkerRow",
+    "alert_counts",
+    "alerts",
     "dead_letters",
     "env_stats",
     "evaluation_summary",
@@ -59,6 +62,7 @@ PV = sc.PolicyVersion.__table__
 W = sc.Worker.__table__
 DL = sc.DeadLetter.__table__
 EV = sc.Evaluation.__table__
+AL = sc.Alert.__table__
 RUNS = sc.Run.__table__
 OFF = sc.OFFSETS
 
@@ -615,6 +619,63 @@ def summarize_evaluations(evals: Sequence[EvaluationRow]) -> list[EvaluationSumm
             )
         )
     return out
+
+
+# ----------------------------------------------------------------------------- alerts
+
+
+@dataclass(frozen=True)
+class AlertRow:
+    event_id: str
+    seq: int
+    rule: str
+    key: str
+    state: str  # "firing" | "resolved"
+    severity: str  # "warning" | "critical"
+    message: str
+    step: int
+    value: float | None  # None: the event's was NaN
+    threshold: float | None
+    raised_at: float
+
+
+def alerts(src: Source, run_id: str, *, rule: str | None = None) -> list[AlertRow]:
+    """The run's alerts (AlertRaised), firing and resolved, in log order; ``rule`` keeps one rule's."""
+    q = (
+        sa.select(
+            AL.c.event_id,
+            AL.c.seq,
+            AL.c.rule,
+            AL.c.key,
+            AL.c.state,
+            AL.c.severity,
+            AL.c.message,
+            AL.c.step,
+            AL.c.value,
+            AL.c.threshold,
+            AL.c.raised_at,
+        )
+        .where(AL.c.run_id == run_id)
+        .order_by(AL.c.seq)
+    )
+    if rule is not None:
+        q = q.where(AL.c.rule == rule)
+    with _conn(src) as conn:
+        return [AlertRow(**dict(r)) for r in conn.execute(q).mappings()]
+
+
+def alert_counts(src: Source, run_id: str) -> dict[str, dict[str, int]]:
+    """Per rule (by name), how many times it fired and resolved: ``{"firing": n, "resolved": m}``."""
+    q = (
+        sa.select(AL.c.rule, AL.c.state, sa.func.count())
+        .where(AL.c.run_id == run_id)
+        .group_by(AL.c.rule, AL.c.state)
+    )
+    out: dict[str, dict[str, int]] = {}
+    with _conn(src) as conn:
+        for rule, state, n in conn.execute(q):
+            out.setdefault(rule, {"firing": 0, "resolved": 0})[state] = int(n)
+    return dict(sorted(out.items()))  # by code point: the same on both backends (not collation)
 
 
 # ----------------------------------------------------------------------------- per-tenant views

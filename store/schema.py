@@ -268,6 +268,27 @@ class Evaluation(Base):
     seq: Mapped[int] = mapped_column(sa.BigInteger)
 
 
+class Alert(Base):
+    """AlertRaised: a monitor's alert ``rule`` firing or resolving for ``key`` at a trainer
+    step, one row per event (first fact wins). ``value`` and ``threshold`` are NULL where the
+    event's was NaN (SQLite cannot hold one)."""
+
+    __tablename__ = "alerts"
+
+    run_id: Mapped[str] = mapped_column(RunId, primary_key=True)
+    event_id: Mapped[str] = mapped_column(Id, primary_key=True)
+    rule: Mapped[str] = mapped_column(sa.String(64))
+    key: Mapped[str] = mapped_column(sa.String(128))
+    state: Mapped[str] = mapped_column(sa.String(16))
+    severity: Mapped[str] = mapped_column(sa.String(16))
+    message: Mapped[str] = mapped_column(sa.Text)
+    step: Mapped[int] = mapped_column(sa.Integer)
+    value: Mapped[float | None] = mapped_column(Float)
+    threshold: Mapped[float | None] = mapped_column(Float)
+    raised_at: Mapped[float] = mapped_column(Float)
+    seq: Mapped[int] = mapped_column(sa.BigInteger)
+
+
 class ConsumerOffset(Base):
     """How far a projection has applied a stream; written in the same transaction as the rows."""
 
@@ -302,6 +323,7 @@ PROJECTION_TABLES: tuple[sa.Table, ...] = tuple(
         Worker,
         DeadLetter,
         Evaluation,
+        Alert,
     )
 )
 OFFSETS: sa.Table = table_of(ConsumerOffset)

@@ -15,6 +15,7 @@ from jetrl.store import schema as sc
 from jetrl.store.derived import Coalesce, Col, Derived, Minus
 
 __all__ = [
+    "ALERTS",
     "DEAD_LETTERS",
     "EVALUATIONS",
     "GENERATIONS",
@@ -174,6 +175,7 @@ WORKERS = Spec(
 )
 DEAD_LETTERS = Spec(_T["dead_letters"], ("run_id", "event_id"))
 EVALUATIONS = Spec(_T["evaluations"], ("run_id", "tenant", "env", "policy_version"))
+ALERTS = Spec(_T["alerts"], ("run_id", "event_id"))
 
 # Write order of a batch; any order gives the same rows, a fixed one keeps lock order stable.
 SPECS: tuple[Spec, ...] = (
@@ -187,4 +189,5 @@ SPECS: tuple[Spec, ...] = (
     WORKERS,
     DEAD_LETTERS,
     EVALUATIONS,
+    ALERTS,
 )

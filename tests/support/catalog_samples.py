@@ -125,4 +125,14 @@ def sample_bodies() -> list[ev.EventBody]:
             temperature=0.7,
             successes=[4, 2, 0],
         ),
+        ev.AlertRaised(
+            rule="staleness",
+            key="staleness",
+            state="firing",
+            severity="warning",
+            message="mean staleness 3.5 above 2.0",
+            step=12,
+            value=3.5,
+            threshold=2.0,
+        ),
     ]
