@@ -21,6 +21,7 @@ _COMMAND_MODULES = [
     "jetrl.deploy.tiny_hf_cmd",
     "jetrl.deploy.tenants_cmd",
     "jetrl.deploy.producer_cmd",
+    "jetrl.deploy.monitor_cmd",
 ]
 
 

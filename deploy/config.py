@@ -19,6 +19,7 @@ from pydantic import Field, model_validator
 
 from jetrl.bus.settings import BusSettings, EnvRoute, Section, TenantSettings
 from jetrl.consumers.inference.settings import InferencePart, InferenceSettings
+from jetrl.consumers.monitor.settings import MonitorSettings
 from jetrl.consumers.trainer.settings import TrainerPart, TrainerSettings
 from jetrl.policy.settings import ModelSettings
 from jetrl.policy.tokenizer import tokenizer_for
@@ -45,6 +46,7 @@ class RunConfig(Section):
     tenants: list[TenantSettings] = Field(default_factory=list)
     bus: BusSettings = BusSettings()
     store: StoreSettings = StoreSettings()
+    monitor: MonitorSettings = MonitorSettings()
 
     @model_validator(mode="after")
     def _one_temperature(self) -> RunConfig:

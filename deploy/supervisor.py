@@ -33,6 +33,7 @@ from jetrl.bus.client import Bus
 from jetrl.bus.log import get_logger
 from jetrl.bus.server import EmbeddedServer
 from jetrl.bus.streams import ensure_tenant_view, run_usage
+from jetrl.consumers.monitor.settings import MonitorPart
 from jetrl.consumers.recorder.settings import RecorderPart
 from jetrl.consumers.trainer.withholding import close_out
 from jetrl.deploy.config import RunConfig, library_versions
@@ -46,6 +47,9 @@ log = get_logger(__name__)
 MAX_RESTARTS = 10
 USAGE_EVERY_S = 10.0  # how often the log's and the payload bucket's fill is checked
 USAGE_WARN = 0.8  # the share of a limit past which the run is warned about
+
+
+FOLLOWERS = frozenset({"recorder", "monitor"})  # parts that only read the log
 
 
 class PartFailed(RuntimeError):
@@ -175,6 +179,19 @@ class Supervisor:
         if self.cfg.store.recorder:
             rec = self._settings_file("recorder", RecorderPart(db=self.db_url))
             parts.append(Part("recorder", argv("jetrl.consumers.recorder", "recorder", "--settings", rec)))
+        if self.cfg.monitor.wanted:
+            mon = MonitorPart(monitor=self.cfg.monitor, out_dir=str((self.run_dir / "monitor").resolve()))
+            parts.append(
+                Part(
+                    "monitor",
+                    argv(
+                        "jetrl.consumers.monitor",
+                        "monitor",
+                        "--settings",
+                        self._settings_file("monitor", mon),
+                    ),
+                )
+            )
         return parts
 
     def start(self, part: Part) -> None:
@@ -401,7 +418,8 @@ class Supervisor:
             self.say(f"run failed: {exc}")
             raise
         finally:
-            self.stop_parts({p.name for p in self.parts if p.name != "recorder"})
+            # The recorder and the monitor read the log to its end after the others stop.
+            self.stop_parts({p.name for p in self.parts if p.name not in FOLLOWERS})
             await asyncio.sleep(0.5)  # the follower sees the last steps
             if follower:
                 follower.cancel()

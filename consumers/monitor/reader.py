@@ -35,15 +35,18 @@ class Start:
     time: float | None = None
 
 
-async def start_seq(bus: Bus, run_id: str, step: int) -> int | None:
-    """The log position to read from for the series to start at ``step``: the first rollout
-    that step trained on (so its rewards and lengths are known), found from the step subject
-    alone. None when the run has not reached that step."""
+async def start_seq(bus: Bus, run_id: str, step: int) -> tuple[int, float | None] | None:
+    """Where to read from for the series to start at ``step``, and the time of the step before
+    (for its tokens per second): just after the step before, or earlier at the first rollout
+    the step trained on (so its rewards, lengths and what happened since the step before are
+    all known). Found from the step subject alone. None when the run has not reached that step."""
+    before, before_seq = None, 0
     async for item in bus.tail(run_id, filter_subject=subjects.step_subject(run_id), to_head=True):
         if item.event is not None and isinstance(item.event.body, ev.StepCompleted):
             b = item.event.body
             if b.step >= step:
-                return min(b.rollout_seqs, default=item.seq)
+                return min(before_seq + 1, *b.rollout_seqs), before
+            before, before_seq = item.event.time, item.seq
     return None
 
 
@@ -62,10 +65,12 @@ async def follow(
     dead-letter path's to keep."""
     run_id = state.run_id
     if from_seq is None and start.step is not None:
-        from_seq = await start_seq(bus, run_id, start.step)
         state.from_step = start.step
-        if from_seq is None:
+        found = await start_seq(bus, run_id, start.step)
+        if found is None:
             from_seq = await bus.last_seq(run_id) + 1
+        else:
+            from_seq, state.last_step_t = found
     from_time = start.time if from_seq is None else None
     tail = bus.tail(run_id, from_seq=from_seq, from_time=from_time, to_head=to_head)
     async for item in tail:

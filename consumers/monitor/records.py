@@ -260,6 +260,8 @@ def of_store(conn: sa.Connection, run_id: str) -> Iterator[Record]:
         tenant = subjects.tenant_of(r["original_subject"]) or subjects.RUN_TENANT
         out.append(Dead(r["seq"], r["dead_lettered_at"], tenant, r["reason"]))
     for r in rows(sc.Worker):
+        # One heartbeat that reported the loaded version is one record (one log position).
+        same = r["loaded_seq"] is not None and r["loaded_seq"] == r["heartbeat_seq"]
         if r["heartbeat_seq"] is not None:
             out.append(
                 Beat(
@@ -268,27 +270,25 @@ def of_store(conn: sa.Connection, run_id: str) -> Iterator[Record]:
                     r["worker_id"],
                     r["kind"],
                     r["status"] or "ready",
-                    None,
+                    r["loaded_version"] if same else None,
                     r["inflight"] or 0,
                     dict(r["stats"] or {}),
                 )
             )
-        if r["loaded_seq"] is not None and r["loaded_version"] is not None:
+        if not same and r["loaded_seq"] is not None and r["loaded_version"] is not None:
             out.append(Loaded(r["loaded_seq"], r["loaded_at"], r["worker_id"], r["loaded_version"]))
-    alerts = getattr(sc, "Alert", None)
-    if alerts is not None:
-        for r in rows(alerts):
-            out.append(
-                Alerted(
-                    r["seq"],
-                    r["raised_at"],
-                    r["rule"],
-                    r["key"],
-                    r["state"],
-                    r["severity"],
-                    r["message"],
-                    r["step"],
-                )
+    for r in rows(sc.Alert):
+        out.append(
+            Alerted(
+                r["seq"],
+                r["raised_at"],
+                r["rule"],
+                r["key"],
+                r["state"],
+                r["severity"],
+                r["message"],
+                r["step"],
             )
+        )
     out.sort(key=lambda x: x.seq)
     yield from out

@@ -56,10 +56,12 @@ class StepPoint:
     truncated_frac: float  # share of trained rollouts cut at max_tokens
     tokens_per_s: float
     inference_weight_wait_frac: float  # of inference time since the last step, spent waiting for weights
-    withheld_total: int
-    dead_letters_total: int
-    pending_samples: int  # samples asked for by tasks and not generated yet
-    pending_rollouts: int  # scored rollouts neither trained nor withheld
+    withheld: int  # rollouts withheld since the step before
+    dead_letters: int  # dead letters since the step before
+    # Samples asked for by tasks and not generated yet, scored rollouts neither trained nor
+    # withheld: counted from where the reader started (exact when it started at the log's start).
+    pending_samples: int
+    pending_rollouts: int
 
     def scalars(self) -> dict[str, float]:
         """The step's figures under the names trackers and the web page chart them by."""
@@ -76,8 +78,8 @@ class StepPoint:
             "rollouts/count": float(self.rollouts),
             "throughput/tokens_per_s": self.tokens_per_s,
             "inference/weight_wait_frac": self.inference_weight_wait_frac,
-            "totals/withheld": float(self.withheld_total),
-            "totals/dead_letters": float(self.dead_letters_total),
+            "rollouts/withheld": float(self.withheld),
+            "rollouts/dead_letters": float(self.dead_letters),
             "queue/pending_samples": float(self.pending_samples),
             "queue/pending_rollouts": float(self.pending_rollouts),
         }
@@ -161,6 +163,8 @@ class MonitorState:
         self._generated = 0
         self._wait_since_step = 0.0  # inference load_wait_s since the last step
         self._busy_since_step = 0.0  # inference generate_s since the last step
+        self._withheld_since_step = 0
+        self._dead_since_step = 0
 
     # ------------------------------------------------------------------ folding
 
@@ -188,11 +192,13 @@ class MonitorState:
             case rec.Withheld():
                 self._queued.pop(r.rollout_id, None)
                 self.withheld_by_reason[r.reason] = self.withheld_by_reason.get(r.reason, 0) + 1
+                self._withheld_since_step += 1
             case rec.Stepped():
                 return self._step(r)
             case rec.Dead():
                 self.dead_by_reason[r.reason] = self.dead_by_reason.get(r.reason, 0) + 1
                 self.dead_times.append(r.t)
+                self._dead_since_step += 1
             case rec.Beat():
                 w = self._worker(r.worker_id, r.kind)
                 w.status, w.inflight, w.last_seen, w.stats = r.status, r.inflight, r.t, dict(r.stats)
@@ -254,12 +260,13 @@ class MonitorState:
             truncated_frac=_mean([1.0 if g.finish_reason == "length" else 0.0 for g in known]),
             tokens_per_s=r.tokens / span if span > 0 else 0.0,
             inference_weight_wait_frac=self._wait_since_step / inference_s if inference_s > 0 else 0.0,
-            withheld_total=sum(self.withheld_by_reason.values()),
-            dead_letters_total=sum(self.dead_by_reason.values()),
+            withheld=self._withheld_since_step,
+            dead_letters=self._dead_since_step,
             pending_samples=max(0, self._asked - self._generated),
             pending_rollouts=len(self._queued),
         )
         self._wait_since_step = self._busy_since_step = 0.0
+        self._withheld_since_step = self._dead_since_step = 0
         self.latest_version = max(self.latest_version, r.version)
         self.last_step_t = r.t
         if self.from_step is not None and r.step < self.from_step:

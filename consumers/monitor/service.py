@@ -68,7 +68,7 @@ class Monitor:
         """The dashboard's clock: the wall clock while the run is live, else the log's last time."""
         return time.time() if self.live and self.state.finished is None else self.state.last_t
 
-    def _told(self, point: StepPoint) -> None:
+    def tell(self, point: StepPoint) -> None:
         for listener in list(self.listeners):
             try:
                 listener(point)
@@ -83,7 +83,7 @@ class Monitor:
         with self.store.engine.connect() as conn:
             self.state = reader.from_store(conn, self.run_id, from_step=self.start.step)
         for p in self.state.steps:
-            self._told(p)
+            self.tell(p)
         self.check_alerts()
         self.caught_up.set()
 
@@ -96,7 +96,7 @@ class Monitor:
         checks = asyncio.create_task(self._checks(stop))
         try:
             # Catch up with what the log holds, then follow it.
-            await reader.follow(self.bus, self.state, start=self.start, on_point=self._told, to_head=True)
+            await reader.follow(self.bus, self.state, start=self.start, on_point=self.tell, to_head=True)
             self.caught_up.set()
             log.info(
                 "monitor_caught_up", run_id=self.run_id, events=self.state.events, seq=self.state.last_seq
@@ -106,7 +106,7 @@ class Monitor:
                     self.bus,
                     self.state,
                     start=reader.Start(),
-                    on_point=self._told,
+                    on_point=self.tell,
                     from_seq=self.state.last_seq + 1,
                 )
             )

@@ -40,3 +40,10 @@ class MonitorSettings(Section):
     def wanted(self) -> bool:
         """Whether the run needs a monitor part."""
         return self.alerts or self.wandb or self.tensorboard or self.prometheus_port is not None
+
+
+class MonitorPart(Section):
+    """The monitor part's input (``python -m jetrl.consumers.monitor --settings``)."""
+
+    monitor: MonitorSettings = MonitorSettings()
+    out_dir: str  # <run dir>/monitor: the trackers' files and their position in the log

@@ -1,0 +1,131 @@
+"""The monitor's fold: every series from a synthetic log against what the log encodes, and the
+same series from the run's store (both backends) as from its log."""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from jetrl.bus import events as ev
+from jetrl.consumers.monitor import records as rec
+from jetrl.consumers.monitor.reader import from_store
+from jetrl.consumers.monitor.series import MonitorState
+from jetrl.store.db import Store, open_store
+from jetrl.store.projection import apply_batch
+from tests.support.synthetic import SyntheticRun, log_items, synthetic_run
+
+
+def fold(run: SyntheticRun, **kw: Any) -> MonitorState:
+    state = MonitorState(run.run_id, **kw)
+    for item in log_items(run.events):
+        r = rec.of_event(item.seq, item.event)
+        if r is not None:
+            state.apply(r)
+    return state
+
+
+def test_series_match_what_the_log_encodes() -> None:
+    run = synthetic_run("mon1", steps=12, tasks_per_step=6, group_size=4)
+    state = fold(run)
+    t = run.truth
+    assert [p.step for p in state.steps] == sorted(t.steps)
+    bodies = {e.body.rollout_id: e for e in run.events if isinstance(e.body, ev.RolloutScored)}
+    for p in state.steps:
+        ids = t.steps[p.step]["rollout_ids"]
+        assert p.rollouts == len(ids)
+        assert p.tokens == t.steps[p.step]["tokens"]
+        assert p.reward_mean == pytest.approx(statistics.fmean(t.rewards[r] for r in ids))
+        for env in {t.rollout_scope[r][1] for r in ids}:
+            mine = [t.rewards[r] for r in ids if t.rollout_scope[r][1] == env]
+            assert p.reward_by_env[env] == pytest.approx(statistics.fmean(mine))
+        for tenant in {t.rollout_scope[r][0] for r in ids}:
+            mine = [t.rewards[r] for r in ids if t.rollout_scope[r][0] == tenant]
+            assert p.reward_by_tenant[tenant] == pytest.approx(statistics.fmean(mine))
+        assert p.staleness_mean == pytest.approx(statistics.fmean(t.staleness[r] for r in ids))
+        assert p.staleness_max == max(t.staleness[r] for r in ids)
+        lengths = [bodies[r].body.completion_tokens.shape[0] for r in ids]  # type: ignore[attr-defined]
+        assert p.seq_len_mean == pytest.approx(statistics.fmean(lengths))
+    last = state.steps[-1]
+    last_step_at = max(i for i, e in enumerate(run.events) if isinstance(e.body, ev.StepCompleted))
+    before_last = sum(1 for e in run.events[:last_step_at] if isinstance(e.body, ev.RolloutWithheld))
+    assert sum(p.withheld for p in state.steps) == before_last > 0
+    assert sum(state.withheld_by_reason.values()) == len(t.withheld)
+    assert state.withheld_by_reason == dict(Counter(t.withheld.values()))
+    for wid, w in t.workers.items():
+        assert state.workers[wid].kind == w["kind"]
+        if "loaded_version" in w:
+            assert state.workers[wid].loaded_version == w["loaded_version"]
+    # Tokens per second: the step's tokens over the time since the step before.
+    a, b = state.steps[3], state.steps[4]
+    assert b.tokens_per_s == pytest.approx(b.tokens / (b.t - a.t))
+
+
+def _records(*rs: rec.Record) -> MonitorState:
+    state = MonitorState("hand")
+    for r in rs:
+        state.apply(r)
+    return state
+
+
+def test_truncation_weight_wait_queue_and_dead_letters() -> None:
+    state = _records(
+        rec.Started(1, 100.0, {}),
+        rec.Tasked(2, 101.0, "acme", "math", 3),
+        rec.Generated(3, 102.0, "g1", "inf-0", "length", 8, 1.0, 3.0),
+        rec.Generated(4, 102.5, "g2", "inf-0", "stop", 4, 0.0, 4.0),
+        rec.Scored(5, 103.0, "r1", "acme", "math", 1.0, 0, 8, "g1"),
+        rec.Scored(6, 103.5, "r2", "acme", "math", 0.0, 0, 4, "g2"),
+        rec.Dead(7, 104.0, "acme", "malformed"),
+        rec.Stepped(8, 110.0, 0, 1, 12, {"loss": 0.5, "mismatch_kl": 0.01}, ("r1",)),
+    )
+    (p,) = state.steps
+    assert p.truncated_frac == 1.0  # r1's generation hit max_tokens
+    assert p.inference_weight_wait_frac == pytest.approx(1.0 / 8.0)
+    assert p.pending_samples == 1  # 3 asked, 2 generated
+    assert p.pending_rollouts == 1  # r2 still queued
+    assert p.queue_staleness_mean == 1.0  # r2 (version 0) would train at step 1
+    assert p.dead_letters == 1 and p.withheld == 0
+    assert p.tokens_per_s == pytest.approx(12 / 10.0)  # since the run started
+    assert p.trainer["loss"] == 0.5 and p.trainer["entropy"] == 0.0
+    assert state.apply(rec.Dead(7, 104.0, "acme", "malformed")) is None  # seen already
+    assert state.dead_by_reason == {"malformed": 1}
+
+
+def test_from_step_keeps_later_points_equal() -> None:
+    run = synthetic_run("mon2", steps=10, tasks_per_step=4, group_size=4, max_off_policy_steps=0)
+    full = {p.step: p for p in fold(run).steps}
+    later_state = MonitorState(run.run_id)
+    later_state.from_step = 6
+    for item in log_items(run.events):
+        r = rec.of_event(item.seq, item.event)
+        if r is not None:
+            later_state.apply(r)
+    assert [p.step for p in later_state.steps] == [s for s in full if s >= 6]
+    assert [p.as_json() for p in later_state.steps] == [full[s].as_json() for s in full if s >= 6]
+
+
+@pytest.fixture
+def store(db_url: str) -> Any:
+    s = open_store(db_url)
+    yield s
+    s.close()
+
+
+def test_the_store_shows_what_the_log_shows(store: Store) -> None:
+    run = synthetic_run("mon3", steps=8, tasks_per_step=5, group_size=4)
+    items = log_items(run.events)
+    for i in range(0, len(items), 300):
+        with store.write() as conn:
+            apply_batch(conn, run_id=run.run_id, stream="S", consumer="c", items=items[i : i + 300])
+    from_log = fold(run)
+    with store.read() as conn:
+        from_db = from_store(conn, run.run_id)
+    assert [p.as_json() for p in from_db.steps] == [p.as_json() for p in from_log.steps]
+    assert from_db.withheld_by_reason == from_log.withheld_by_reason
+    assert {w: (s.kind, s.loaded_version, s.status) for w, s in from_db.workers.items()} == {
+        w: (s.kind, s.loaded_version, s.status) for w, s in from_log.workers.items()
+    }
+    assert from_db.snapshot(0)["latest"] == from_log.snapshot(0)["latest"]
