@@ -39,7 +39,15 @@ def test_engine_logprobs_replay_what_inference_sampled_and_a_step_moves_the_weig
     for lp, r in zip(engine.logprobs(rollouts), rollouts, strict=True):
         assert torch.allclose(lp, r.inference_logprobs, atol=1e-4)
     before = engine.checksum()
+    want = engine.logprobs(rollouts)
     metrics = engine.step(rollouts)
+    # The step's token records: the log-probs it trained from, and no routing differences
+    # (the replayed experts are those the same weights chose).
+    stats = engine.step_token_stats()
+    assert stats is not None and len(stats) == len(rollouts)
+    for s, lp, r in zip(stats, want, rollouts, strict=True):
+        assert s.shape == (len(r.completion_ids), 2)
+        assert torch.equal(s[:, 0], lp) and not bool(s[:, 1].any())
     assert metrics["num_tokens"] > 0 and engine.checksum() != before
     # Published weights carry the engine's checksum, and load back as they were.
     data, digest = engine.export_weights({"version": "1"})

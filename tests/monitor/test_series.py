@@ -48,7 +48,6 @@ def test_series_match_what_the_log_encodes() -> None:
         assert p.staleness_max == max(t.staleness[r] for r in ids)
         lengths = [bodies[r].body.completion_tokens.shape[0] for r in ids]  # type: ignore[attr-defined]
         assert p.seq_len_mean == pytest.approx(statistics.fmean(lengths))
-    last = state.steps[-1]
     last_step_at = max(i for i, e in enumerate(run.events) if isinstance(e.body, ev.StepCompleted))
     before_last = sum(1 for e in run.events[:last_step_at] if isinstance(e.body, ev.RolloutWithheld))
     assert sum(p.withheld for p in state.steps) == before_last > 0

@@ -43,6 +43,27 @@ def test_replay_changes_the_forward_when_routes_differ(trained_model, cfg):
     assert not torch.allclose(ref, other)
 
 
+def test_replay_reports_where_the_model_would_have_routed_elsewhere(trained_model, cfg):
+    x = torch.randint(0, cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
+    with capture_routing(trained_model) as cap:
+        trained_model(x)
+        trace = cap.take().long()
+    same: list[torch.Tensor] = []
+    with replay_routing(trained_model, trace, same):
+        trained_model(x)
+    assert len(same) == cfg.num_moe_layers and not any(bool(d.any()) for d in same)
+    # The same experts in another order are the same routing; another expert set is not.
+    changed = trace.flip(-1).clone()
+    changed[1, 4, 0] = (changed[1, 4, 0] + 1) % cfg.num_experts
+    while bool((changed[1, 4, 0, :1] == changed[1, 4, 0, 1:]).any()):
+        changed[1, 4, 0, 0] = (changed[1, 4, 0, 0] + 1) % cfg.num_experts
+    differs: list[torch.Tensor] = []
+    with replay_routing(trained_model, changed, differs):
+        trained_model(x)
+    assert differs[0].shape == (2, 7)
+    assert differs[0].nonzero().tolist() == [[1, 4]]
+
+
 def test_router_gets_gradients_under_replay(trained_model, cfg):
     x = torch.randint(0, cfg.vocab_size, (2, 7))
     trace = torch.stack([torch.randperm(cfg.num_experts)[: cfg.top_k] for _ in range(2 * 7 * cfg.n_layers)])

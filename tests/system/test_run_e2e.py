@@ -13,6 +13,8 @@ from jetrl.bus import events as ev
 from jetrl.bus import subjects
 from jetrl.bus.client import Bus
 from jetrl.bus.server import EmbeddedServer
+from jetrl.consumers.monitor.reader import follow, from_store
+from jetrl.consumers.monitor.service import Monitor
 from jetrl.deploy.config import load_config
 from jetrl.deploy.supervisor import Supervisor
 from jetrl.store import queries
@@ -106,8 +108,28 @@ async def test_short_async_run_keeps_the_invariants(nats_server: EmbeddedServer,
         history = queries.step_history(store, run_id)
         assert [h.step for h in history] == list(range(STEPS))
         assert all(h.num_rollouts == 8 for h in history)
+        # The monitor shows the same series from the log as from the store.
+        bus = await Bus.connect(nats_server.url)
+        watched = Monitor(run_id, bus=bus)
+        await follow(bus, watched.state, to_head=True)
+        with store.read() as conn:
+            stored = from_store(conn, run_id)
+        assert [p.step for p in watched.state.steps] == list(range(STEPS))
+        assert [p.as_json() for p in watched.state.steps] == [p.as_json() for p in stored.steps]
+        assert watched.state.steps[-1].reward_mean == pytest.approx(history[-1].reward_mean)
+        # Its inspector shows a step's rollouts token by token, with the trainer's log-probs.
+        view = await watched.inspect(2)
+        await bus.close()
     finally:
         store.close()
+    assert view is not None and view["recorded"] and len(view["rollouts"]) == 8
+    for r in view["rollouts"]:
+        tokens = r["tokens"]
+        assert tokens and r["completion_text"] and r["staleness"] <= MAX_OFF
+        assert all(t["train_lp"] <= 0 and t["route_diff"] == 0 for t in tokens)  # a dense model
+        assert all(t["gap"] == pytest.approx(t["train_lp"] - t["inference_lp"], abs=1e-4) for t in tokens)
+    assert steps[2].metrics["mismatch_kl_max"] >= steps[2].metrics["mismatch_kl"]
+    assert "monitor_exit" in (tmp_path / run_id / "logs" / "monitor.log").read_text()
     run_dir = tmp_path / run_id
     assert (run_dir / "reward.png").stat().st_size > 1000
     assert (run_dir / "summary.json").exists()
