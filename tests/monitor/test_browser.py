@@ -1,0 +1,286 @@
+"""The web dashboard in a real browser over a real run: a short `jetrl run` (every part its own
+process, the session's nats-server, a SQLite store), a Monitor following its log and serving the
+page, and Debian's headless chromium driven by selenium. The page must update while the run
+steps, show at the end exactly the store's figures, and render a step's rollouts token by token.
+Screenshots of the dashboard and the inspector go to the artifacts directory ($JETRL_ARTIFACTS,
+else <repo>/artifacts)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from jetrl.bus.client import Bus
+from jetrl.bus.server import EmbeddedServer
+from jetrl.bus.streams import stream_name
+from jetrl.consumers.monitor.service import Monitor
+from jetrl.consumers.monitor.web import serve
+from jetrl.deploy.config import load_config
+from jetrl.deploy.supervisor import Supervisor
+from jetrl.store import queries
+from jetrl.store.db import open_store
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+STEPS = 20
+T = TypeVar("T")
+
+if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
+    pytest.skip(
+        f"the browser test drives Debian's chromium: {CHROMIUM} and {CHROMEDRIVER} are needed "
+        "(apt-get install chromium chromium-driver)",
+        allow_module_level=True,
+    )
+
+from selenium import webdriver  # noqa: E402  (after the skip: selenium is a dev extra)
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+WebDriver = webdriver.Chrome
+
+
+def artifacts_dir() -> Path:
+    out = Path(os.environ.get("JETRL_ARTIFACTS", REPO / "artifacts"))
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+@pytest.fixture
+def driver(tmp_path: Path) -> Iterator[WebDriver]:
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = str(CHROMIUM)
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        "--window-size=1400,2300",
+        f"--user-data-dir={tmp_path / 'chromium-profile'}",
+    ):
+        opts.add_argument(flag)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    d = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=opts)
+    try:
+        yield d
+    finally:
+        d.quit()
+
+
+def attr(d: WebDriver, element_id: str, name: str) -> str:
+    return d.find_element(By.ID, element_id).get_attribute(name) or ""
+
+
+def wait_for(d: WebDriver, what: Callable[[WebDriver], T], timeout: float, message: str) -> T:
+    return WebDriverWait(d, timeout, poll_frequency=0.2).until(what, message)
+
+
+def browser_errors(d: WebDriver) -> list[str]:
+    return [e["message"] for e in d.get_log("browser") if e.get("level") == "SEVERE"]
+
+
+async def test_the_dashboard_follows_a_real_run_and_shows_the_stores_figures(
+    nats_server: EmbeddedServer, tmp_path: Path, driver: WebDriver
+) -> None:
+    t0 = time.monotonic()
+    cfg = load_config(
+        REPO / "configs" / "demo.toml",
+        [
+            "--trainer.max_steps",
+            str(STEPS),
+            "--trainer.batch_groups",
+            "4",
+            "--trainer.checkpoint_every",
+            "100",
+            "--inference.max_batch_tasks",
+            "4",
+            "--envs.0.group_size",
+            "8",
+            "--monitor.alerts",
+            "false",  # the run's own monitor part: one process fewer on a small machine
+            "--bus.max_gib",
+            "0.25",
+            "--bus.payload_max_gib",
+            "0.5",
+        ],
+    )
+    run_id = f"web{uuid.uuid4().hex[:8]}"
+    sup = Supervisor(cfg, run_id, tmp_path / run_id, nats_url=nats_server.url, quiet=True)
+    run = asyncio.create_task(sup.run())
+    bus = await Bus.connect(nats_server.url, name="monitor-web-test")
+    stop = asyncio.Event()
+    tasks: list[asyncio.Task[Any]] = []
+    try:
+        for _ in range(200):  # the supervisor makes the run's stream first
+            with contextlib.suppress(Exception):
+                await bus.js.stream_info(stream_name(run_id))
+                break
+            assert not run.done(), "the run ended before it began"
+            await asyncio.sleep(0.1)
+        monitor = Monitor(run_id, bus=bus)
+        urls: list[str] = []
+        tasks.append(asyncio.create_task(monitor.run(stop)))
+        tasks.append(
+            asyncio.create_task(serve(monitor, host="127.0.0.1", port=0, stop=stop, on_ready=urls.append))
+        )
+        while not urls:
+            await asyncio.sleep(0.05)
+        url = urls[0]
+        # Selenium blocks: every browser call runs in a thread, the server in this loop.
+        await asyncio.to_thread(driver.get, url)
+        await asyncio.to_thread(
+            wait_for, driver, lambda d: attr(d, "run-id", "textContent") == run_id, 30, "no run id shown"
+        )
+
+        # While the run steps, the step tile and the charts move on.
+        seen: list[int] = []
+        charted: list[int] = []
+        while not run.done():
+            raw = await asyncio.to_thread(attr, driver, "tile-step", "data-value")
+            if raw and (not seen or int(raw) != seen[-1]):
+                seen.append(int(raw))
+                points = await asyncio.to_thread(attr, driver, "chart-reward", "data-points")
+                charted.append(int(points or 0))
+            await asyncio.sleep(0.3)
+        assert await run == 0
+        assert len(seen) >= 2 and seen == sorted(seen), f"the step tile did not move on: {seen}"
+        assert charted == sorted(charted) and charted[-1] > charted[0], f"the reward chart: {charted}"
+
+        # At the end: what the page shows is the store's.
+        store = open_store(sup.db_url)
+        try:
+            history = queries.step_history(store, run_id)
+        finally:
+            store.close()
+        last = history[-1]
+        assert [h.step for h in history] == list(range(STEPS))
+
+        def finished(d: WebDriver) -> bool:
+            return (
+                attr(d, "run-status", "data-value") == "completed"
+                and attr(d, "tile-step", "data-value") == str(last.step)
+                and attr(d, "run-mode", "data-state") == "finished"
+            )
+
+        await asyncio.to_thread(wait_for, driver, finished, 20, "the page never showed the finished run")
+        assert float(await asyncio.to_thread(attr, driver, "tile-reward", "data-value")) == pytest.approx(
+            last.reward_mean, rel=1e-12, abs=1e-12
+        )
+        assert float(await asyncio.to_thread(attr, driver, "tile-loss", "data-value")) == pytest.approx(
+            last.metrics["loss"], rel=1e-12, abs=1e-15
+        )
+        assert await asyncio.to_thread(attr, driver, "run-step", "data-value") == str(last.step)
+        shown = await asyncio.to_thread(
+            driver.execute_script,
+            "return window.jetrlMonitor.state.points.map(p => [p.step, p['reward/mean'], p['trainer/loss']])",
+        )
+        assert [s for s, _, _ in shown] == [h.step for h in history]
+        for (_, reward, loss), h in zip(shown, history, strict=True):
+            assert reward == pytest.approx(h.reward_mean, abs=1e-12)
+            assert loss == pytest.approx(h.metrics["loss"], rel=1e-12, abs=1e-15)
+        assert await asyncio.to_thread(attr, driver, "chart-reward", "data-points") == str(len(history))
+        workers = await asyncio.to_thread(
+            driver.find_elements, By.CSS_SELECTOR, "#workers tbody tr[data-worker]"
+        )
+        assert len(workers) >= 2  # the inference workers (and the trainer's heartbeat)
+        art = artifacts_dir()
+        await asyncio.to_thread(driver.save_screenshot, str(art / "monitor-dashboard.png"))
+
+        # The inspector: a click on the reward chart picks a step...
+        def click_reward_chart(d: WebDriver) -> None:
+            from selenium.webdriver.common.action_chains import ActionChains
+
+            layer = d.find_element(By.CSS_SELECTOR, "#chart-reward .nsewdrag")
+            d.execute_script("arguments[0].scrollIntoView({block: 'center'})", layer)
+            ActionChains(d).move_to_element(layer).pause(0.3).click().perform()
+
+        await asyncio.to_thread(click_reward_chart, driver)
+        picked = await asyncio.to_thread(
+            wait_for,
+            driver,
+            lambda d: attr(d, "inspector", "data-state") == "loaded" and attr(d, "inspector", "data-step"),
+            20,
+            "a click on the reward chart opened no step",
+        )
+        assert 0 <= int(picked) <= last.step
+
+        # ... and so does the step input; the completion is drawn token by token.
+        step = last.step - 1
+
+        def pick(d: WebDriver) -> None:
+            box = d.find_element(By.ID, "step-input")
+            box.clear()
+            box.send_keys(str(step))
+            d.find_element(By.ID, "step-go").click()
+
+        await asyncio.to_thread(pick, driver)
+        await asyncio.to_thread(
+            wait_for,
+            driver,
+            lambda d: (
+                attr(d, "inspector", "data-state") == "loaded"
+                and attr(d, "inspector", "data-step") == str(step)
+                and int(attr(d, "tokens", "data-count") or 0) > 0
+            ),
+            30,
+            f"step {step}'s tokens were not shown",
+        )
+        want = await monitor.inspect(step)
+        assert want is not None and want["recorded"], "the trainer recorded no token log-probs"
+        first = want["rollouts"][0]
+        rows = await asyncio.to_thread(
+            driver.find_elements, By.CSS_SELECTOR, "#rollout-list tbody tr.rollout"
+        )
+        assert len(rows) == len(want["rollouts"]) == last.num_rollouts
+        tokens = await asyncio.to_thread(
+            driver.execute_script,
+            "return [...document.querySelectorAll('#tokens .token')].map(t => "
+            "[t.dataset.gap, t.dataset.routeDiff, t.className, t.title, t.style.backgroundColor])",
+        )
+        assert len(tokens) == len(first["tokens"])
+        for (gap, route_diff, cls, title, bg), tok in zip(tokens, first["tokens"], strict=True):
+            if tok["gap"] is None:
+                assert gap == ""
+            else:
+                assert float(gap) == pytest.approx(tok["gap"]) and bg, "a model token without its colour"
+            assert ("routed" in cls.split()) == bool(tok["route_diff"])
+            assert route_diff == ("" if tok["route_diff"] is None else str(tok["route_diff"]))
+            assert ("env" in cls.split()) == (not tok["model"])
+            assert "inference log-prob" in title and "trainer log-prob" in title
+        assert any(t["gap"] is not None for t in first["tokens"])
+        legend = await asyncio.to_thread(attr, driver, "gap-legend", "textContent")
+        assert "trainer log-prob" in legend
+
+        def shoot_inspector(d: WebDriver) -> None:
+            box = d.find_element(By.ID, "inspector")
+            d.execute_script("arguments[0].scrollIntoView()", box)
+            d.find_element(By.CSS_SELECTOR, "#tokens .token").click()  # the mouse off the list
+            box.screenshot(str(art / "monitor-inspector.png"))
+
+        await asyncio.to_thread(shoot_inspector, driver)
+        errors = await asyncio.to_thread(browser_errors, driver)
+        assert not errors, errors
+        assert time.monotonic() - t0 < 150, "the browser test is meant to stay short"
+    finally:
+        stop.set()
+        if not run.done():
+            run.cancel()
+        for t in [run, *tasks]:
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(t, 30)
+        await bus.close()
