@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.jetrl-installed
 
-.PHONY: venv vllm-venv run test lint bench clean
+.PHONY: venv vllm-venv browser run test lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -33,11 +33,19 @@ $(VLLM_STAMP):
 
 vllm-venv: $(VLLM_STAMP)
 
+# Debian's chromium and its driver, for the web dashboard's browser test (tests/monitor). Only
+# root can install them; elsewhere that test skips and says why.
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
+	else echo "chromium not installed (not root): the browser test will skip"; fi
+
 run: $(STAMP)
 	$(BIN)/jetrl run configs/demo.toml
 
 # mypy's files and settings are in pyproject.toml ([tool.mypy]).
-test: $(STAMP) $(VLLM_STAMP)
+test: $(STAMP) $(VLLM_STAMP) browser
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)

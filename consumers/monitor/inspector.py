@@ -171,7 +171,7 @@ class Inspector:
                     "staleness": r.staleness,
                     "completion_tokens": r.completion_tokens,
                     "tokens": [],
-                    "note": "the run's log is not reachable: tokens are read from the log",
+                    "note": "the run's log is not reachable, and the tokens are kept there only",
                 }
                 for r in rows
             ],

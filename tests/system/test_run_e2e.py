@@ -126,7 +126,8 @@ async def test_short_async_run_keeps_the_invariants(nats_server: EmbeddedServer,
     for r in view["rollouts"]:
         tokens = r["tokens"]
         assert tokens and r["completion_text"] and r["staleness"] <= MAX_OFF
-        assert all(t["train_lp"] <= 0 and t["route_diff"] == 0 for t in tokens)  # a dense model
+        # The tiny MoE has 2 MoE layers: a token's routing can differ in 0, 1 or 2 of them.
+        assert all(t["train_lp"] <= 0 and 0 <= t["route_diff"] <= 2 for t in tokens)
         assert all(t["gap"] == pytest.approx(t["train_lp"] - t["inference_lp"], abs=1e-4) for t in tokens)
     assert steps[2].metrics["mismatch_kl_max"] >= steps[2].metrics["mismatch_kl"]
     assert "monitor_exit" in (tmp_path / run_id / "logs" / "monitor.log").read_text()

@@ -351,11 +351,8 @@
       series: () => [
         { key: "queue/pending_rollouts", name: "pending rollouts" },
         { key: "queue/pending_samples", name: "pending samples" },
-        { key: "rollouts/withheld", name: "withheld at the step", dash: "dot" },
+        { key: "rollouts/withheld", name: "withheld since the step before", dash: "dot" },
         { key: "rollouts/dead_letters", name: "dead letters since the step before", dash: "dot" },
-        // the names of an older monitor (running totals)
-        { key: "totals/withheld", name: "withheld (total)", dash: "dot" },
-        { key: "totals/dead_letters", name: "dead letters (total)", dash: "dot" },
       ],
     },
   ];
