@@ -32,8 +32,9 @@ class Inspector:
         self.bus = bus
         self.store = store
         self.config: dict[str, Any] = {}
-        self._steps: dict[int, tuple[int, ev.StepCompleted]] = {}
+        self._steps: dict[int, int] = {}  # step -> its StepCompleted's log position
         self._payloads: Payloads | None = None
+        self._scanned = 0  # the last log position of the step subject read
 
     @functools.cached_property
     def tokenizer(self) -> Tokenizer:
@@ -44,15 +45,23 @@ class Inspector:
         msg = await self.bus.js.get_msg(stream_name(self.run_id), seq)
         return ev.decode_event(msg.data or b"", dict(msg.headers or {}))
 
-    async def _find_step(self, step: int) -> tuple[int, ev.StepCompleted] | None:
+    async def _find_step(self, step: int) -> ev.StepCompleted | None:
         assert self.bus is not None
-        if step not in self._steps:
+        if step not in self._steps:  # read the steps logged since the last look
             async for item in self.bus.tail(
-                self.run_id, filter_subject=subjects.step_subject(self.run_id), to_head=True
+                self.run_id,
+                from_seq=self._scanned + 1,
+                filter_subject=subjects.step_subject(self.run_id),
+                to_head=True,
             ):
+                self._scanned = max(self._scanned, item.seq)
                 if item.event is not None and isinstance(item.event.body, ev.StepCompleted):
-                    self._steps.setdefault(item.event.body.step, (item.seq, item.event.body))
-        return self._steps.get(step)
+                    self._steps.setdefault(item.event.body.step, item.seq)
+        seq = self._steps.get(step)
+        if seq is None:
+            return None
+        body = (await self._event(seq)).body
+        return body if isinstance(body, ev.StepCompleted) else None
 
     async def step(self, step: int) -> dict[str, Any] | None:
         if self.bus is None:
@@ -64,10 +73,9 @@ class Inspector:
                 if item.event is not None and isinstance(item.event.body, ev.RunStarted):
                     self.config = dict(item.event.body.config)
                     break
-        found = await self._find_step(step)
-        if found is None:
+        body = await self._find_step(step)
+        if body is None:
             return None
-        _, body = found
         if self._payloads is None:
             self._payloads = await Payloads.for_run(self.bus.js, self.run_id)
         stats = None
