@@ -42,10 +42,19 @@ async def unless_set(event: asyncio.Event, work: Awaitable[T]) -> T | None:
         waiting.cancel()
     if doing.done():
         return doing.result()
-    doing.cancel()
-    with contextlib.suppress(BaseException):
-        await doing
+    await cancel_and_wait(doing)
     return None
+
+
+async def cancel_and_wait(task: asyncio.Future[Any], every: float = 0.5) -> None:
+    """Cancel ``task`` and wait until it is done, cancelling again while it is not: nats-py
+    swallows a cancellation that lands while it hands a message to its flusher, and the task
+    then carries on (seen with an ordered consumer being set up)."""
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=every)
+    with contextlib.suppress(BaseException):
+        task.result()
 
 
 async def connect_unless(refused: asyncio.Event, **options: Any) -> NATS:

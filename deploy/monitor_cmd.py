@@ -79,13 +79,20 @@ async def show_terminal(monitor: Monitor, stop: asyncio.Event, once: bool) -> No
 
     from jetrl.consumers.monitor.terminal import render
 
+    # Piped output gets 80 columns by default, too few for the tables.
+    console = Console() if sys.stdout.isatty() else Console(width=150)
+    head = await monitor.bus.last_seq(monitor.run_id) if monitor.bus is not None else 0
     task = asyncio.create_task(monitor.run(stop))
     waiter = asyncio.create_task(monitor.caught_up.wait())
-    await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    # A long log takes a while to fold: say how far it got.
+    with console.status("reading the run's log...") as status:
+        while not (task.done() or waiter.done()):
+            await asyncio.wait({task, waiter}, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+            st = monitor.state
+            status.update(f"reading the run's log: {st.events:,} events, at {st.last_seq:,} of {head:,}")
     if task.done():
         waiter.cancel()
         task.result()  # its error, if any
-    console = Console()
     if once:
         console.print(render(monitor))
         stop.set()
@@ -96,8 +103,7 @@ async def show_terminal(monitor: Monitor, stop: asyncio.Event, once: bool) -> No
                     await asyncio.wait_for(stop.wait(), 1.0)
                 live.update(render(monitor))
     stop.set()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    await task
 
 
 async def show_web(monitor: Monitor, stop: asyncio.Event, host: str, port: int, prometheus: bool) -> None:
@@ -149,9 +155,6 @@ def main(args: argparse.Namespace) -> int:
         )
     store = None
     if not live:
-        if start.time is not None:
-            print("jetrl monitor: --from-time needs the run's log (a live server)", file=sys.stderr)
-            return 2
         from jetrl.store.db import open_store, sqlite_url
 
         db = args.db

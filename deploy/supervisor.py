@@ -476,6 +476,9 @@ class Supervisor:
             store = open_store(self.db_url)
             try:
                 summary["store_steps"] = len(queries.step_history(store, self.run_id))
+                # Alerts the run's monitor raised: how often each rule fired.
+                counts = queries.alert_counts(store, self.run_id)
+                summary["alerts"] = {rule: c["firing"] for rule, c in counts.items()}
                 summary["db"] = self.db_url
             finally:
                 store.close()

@@ -108,10 +108,14 @@ async def queue_depths(bus: Bus, run_id: str) -> list[QueueDepth]:
     return sorted(out, key=lambda q: q.consumer)
 
 
-def from_store(conn: sa.Connection, run_id: str, *, from_step: int | None = None) -> MonitorState:
-    """A recorded run's state, from its store rows: what ``follow`` folds from its log."""
+def from_store(conn: sa.Connection, run_id: str, *, start: Start | None = None) -> MonitorState:
+    """A recorded run's state, from its store rows: what ``follow`` folds from its log. From a
+    time: the events stamped at or after it (the log's reader starts at the first message the
+    server stored then; the two differ only by the moments between stamping and storing)."""
+    start = start or Start()
     state = MonitorState(run_id)
-    state.from_step = from_step
+    state.from_step = start.step
     for r in rec.of_store(conn, run_id):
-        state.apply(r)
+        if start.time is None or r.t >= start.time:
+            state.apply(r)
     return state

@@ -18,7 +18,7 @@ from typing import Any
 from jetrl.bus import events as ev
 from jetrl.bus import ids
 from jetrl.bus.client import Bus
-from jetrl.bus.identity import PermissionDenied
+from jetrl.bus.identity import PermissionDenied, cancel_and_wait
 from jetrl.bus.log import get_logger
 from jetrl.consumers.monitor import reader
 from jetrl.consumers.monitor.alerts import Alerts
@@ -81,7 +81,7 @@ class Monitor:
         """Fold a recorded run from its store (no bus needed)."""
         assert self.store is not None
         with self.store.engine.connect() as conn:
-            self.state = reader.from_store(conn, self.run_id, from_step=self.start.step)
+            self.state = reader.from_store(conn, self.run_id, start=self.start)
         for p in self.state.steps:
             self.tell(p)
         self.check_alerts()
@@ -112,16 +112,12 @@ class Monitor:
             )
             waiter = asyncio.create_task(stop.wait())
             await asyncio.wait({follow, waiter}, return_when=asyncio.FIRST_COMPLETED)
-            for t in (follow, waiter):
-                t.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await follow
-            if follow.done() and not follow.cancelled() and follow.exception() is not None:
-                raise follow.exception()  # type: ignore[misc]
+            waiter.cancel()
+            if follow.done():
+                follow.result()  # the log reader's error, if it ended on one
+            await cancel_and_wait(follow)
         finally:
-            checks.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await checks
+            await cancel_and_wait(checks)
 
     async def _checks(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

@@ -1,0 +1,71 @@
+"""`jetrl monitor RUN`: one frame of a finished run from its store, of a live one from its
+server, and the errors a user can act on."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jetrl.bus.client import Bus
+from jetrl.bus.server import EmbeddedServer
+from jetrl.deploy.cli import main
+from jetrl.deploy.monitor_cmd import parse_time
+from jetrl.store.db import open_store, sqlite_url
+from jetrl.store.projection import apply_batch
+from tests.support.synthetic import log_items, publish_events, synthetic_run
+
+
+def test_parse_time() -> None:
+    now = 1_000_000.0
+    assert parse_time("-30m", now) == now - 1800
+    assert parse_time("-2h", now) == now - 7200
+    assert parse_time("1760000000", now) == 1_760_000_000.0
+    assert parse_time("2026-01-02T03:04:05+00:00", now) == 1767323045.0
+    with pytest.raises(SystemExit, match="--from-time"):
+        parse_time("yesterday", now)
+
+
+def test_a_finished_run_is_shown_from_its_store(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = synthetic_run("cmdmon", steps=6, tasks_per_step=3, group_size=4)
+    (tmp_path / "cmdmon").mkdir()
+    store = open_store(sqlite_url(tmp_path / "cmdmon" / "store.db"))
+    with store.write() as conn:
+        apply_batch(conn, run_id="cmdmon", stream="S", consumer="c", items=log_items(run.events))
+    store.close()
+    assert main(["monitor", "cmdmon", "--runs-dir", str(tmp_path), "--once"]) == 0
+    out = capsys.readouterr().out
+    assert "from the store" in out and "completed" in out
+    assert "step 6  version v6" in out
+    # From a step: the sparkline covers the steps from there on only.
+    assert main(["monitor", "cmdmon", "--runs-dir", str(tmp_path), "--once", "--from-step", "4"]) == 0
+    assert "step 6" in capsys.readouterr().out
+
+
+def test_no_server_and_no_store_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["monitor", "nothere", "--runs-dir", str(tmp_path), "--once"]) == 2
+    assert "no live server for nothere and no store" in capsys.readouterr().err
+
+
+async def test_a_live_run_is_shown_from_its_server(
+    nats_server: EmbeddedServer, run_id: str, tmp_path: Path
+) -> None:
+    bus = await Bus.connect(nats_server.url)
+    await bus.ensure_run(run_id)
+    now = time.time()
+    run = synthetic_run(run_id, steps=4, tasks_per_step=2, group_size=2, t0=now - 60)
+    await publish_events(bus, run.events[:-1])  # not finished: no RunFinished
+    await bus.close()
+    args = ["monitor", run_id, "--nats-url", nats_server.url, "--runs-dir", str(tmp_path), "--once"]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "jetrl.deploy.cli", *args, stdout=asyncio.subprocess.PIPE
+    )
+    stdout, _ = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 0
+    out = stdout.decode()
+    assert "live" in out and "running" in out and "step 4  version v4" in out
+    # The backlog of the run's durable consumers comes from the server (none here).
+    assert "log: rollouts scored, not trained" in out
