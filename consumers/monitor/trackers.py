@@ -19,8 +19,8 @@ every point comes again; each tracker skips the points it already holds:
   (up to ``WANDB_FLUSH_S`` of points that ``position.json`` already counts; measured on wandb
   0.31: a crash before the first flush leaves a ``.wandb`` file of 7 bytes). So on open each
   tracker resumes from what its own files hold, not from the position file: the last step in
-  the event files (TensorBoard's reader) and in the run's ``.wandb`` transaction logs (W&B's
-  protobuf records, read here). A point past ``position.json`` that reached a tracker is not
+  the event files (TensorBoard's reader) and in the run's ``.wandb`` transaction logs (wandb's
+  own reader, ``wandb leet inspect``). A point past ``position.json`` that reached a tracker is not
   written again, and a point the position file counts but wandb-core lost is written again.
   The same holds after a power loss (no fsync: what the page cache lost is written again).
   ``position.json`` is the fallback when a tracker's files cannot be read (a new transaction
@@ -36,10 +36,9 @@ from __future__ import annotations
 import json
 import os
 import socket
-import struct
+import subprocess
+import sys
 import time
-import zlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -137,65 +136,30 @@ def _tensorboard_last_step(log_dir: Path) -> int | None:
 
 # ---------------------------------------------------------------------------------- W&B
 
-# The .wandb transaction log: a 7-byte header (":W&B", magic 0xBEE1, version 0), then LevelDB
-# log records in 32 KiB blocks: crc32 (IEEE, over the type byte and the data), length, type
-# (full, first, middle, last), each carrying one serialised wandb.proto Record.
-_WANDB_HEADER = struct.pack("<4sHB", b":W&B", 0xBEE1, 0)
-_BLOCK, _REC_HEADER = 32 * 1024, 7
-_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
-
-
-def wandb_records(path: Path) -> Iterator[bytes]:
-    """The serialised records of a ``.wandb`` file, up to its first torn or corrupt record."""
-    data = path.read_bytes()
-    if not data.startswith(_WANDB_HEADER):
-        raise ValueError(f"{path}: not a W&B transaction log (version 0)")
-    pos, pending = len(_WANDB_HEADER), b""
-    while pos + _REC_HEADER <= len(data):
-        left = _BLOCK - pos % _BLOCK
-        if left < _REC_HEADER:  # a block's tail too short for a header is padding
-            pos += left
-            continue
-        crc, length, kind = struct.unpack_from("<IHB", data, pos)
-        body = data[pos + _REC_HEADER : pos + _REC_HEADER + length]
-        if kind == 0 and length == 0:  # zero padding (preallocated or torn tail)
-            pos += left
-            continue
-        if len(body) < length or zlib.crc32(body, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF != crc:
-            return  # a torn tail: what follows was never written whole
-        pos += _REC_HEADER + length
-        if kind == _FULL:
-            yield body
-        elif kind == _FIRST:
-            pending = body
-        elif kind == _MIDDLE:
-            pending += body
-        elif kind == _LAST:
-            yield pending + body
-            pending = b""
-        else:
-            return
-
 
 def _wandb_last_step(wandb_dir: Path, run_id: str) -> int | None:
-    """The highest history step in the run's transaction logs (newest file with any first)."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    record: Any = pb.__dict__["Record"]  # re-exported per protobuf major version: untyped
-
+    """The highest history step in the run's transaction logs (newest file with any first),
+    read by wandb's own reader (``wandb leet inspect --json``; about 0.7 s a file)."""
+    exe = Path(sys.executable).parent / "wandb"
     files = sorted(
         wandb_dir.glob(f"*run-*-{run_id}*/run-{run_id}.wandb"), key=lambda p: (p.stat().st_mtime, p.name)
     )
     try:
         for path in reversed(files):
-            last = -1
-            for raw in wandb_records(path):
-                r = record()
-                r.ParseFromString(raw)
-                if r.WhichOneof("record_type") == "history":
-                    last = max(last, int(r.history.step.num))
-            if last >= 0:
-                return last
+            out = subprocess.run(
+                [str(exe), "leet", "inspect", "--json", str(path.resolve())],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=True,
+            )
+            steps = [
+                int(r["history"]["step"]["num"])
+                for r in map(json.loads, out.stdout.splitlines())
+                if r.get("type") == "history"
+            ]
+            if steps:
+                return max(steps)
     except Exception as exc:
         log.warning("tracker_tail_unreadable", tracker="wandb", dir=str(wandb_dir), error=str(exc))
         return None
