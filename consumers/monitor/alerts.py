@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from jetrl.bus import events as ev
-from jetrl.consumers.monitor.series import MonitorState
+from jetrl.consumers.monitor.series import AlertView, MonitorState
 from jetrl.consumers.monitor.settings import AlertSettings
 
 
@@ -124,7 +124,9 @@ def conditions(state: MonitorState, s: AlertSettings, now: float) -> Iterator[Co
 
 
 class Alerts:
-    """Which alerts are firing; ``check`` returns the transitions since the last call."""
+    """``check`` returns the transitions from the state's alerts (those this monitor raised, and
+    those on the log: another monitor's, or its own before a restart, so an alert firing on the
+    log is not raised again) and notes them in the state."""
 
     def __init__(self, settings: AlertSettings) -> None:
         self.s = settings
@@ -132,6 +134,7 @@ class Alerts:
 
     def check(self, state: MonitorState, now: float) -> list[ev.AlertRaised]:
         step = state.steps[-1].step if state.steps else -1
+        self.firing = {k for k, a in state.alerts.items() if a.state == "firing"}
         out = []
         for c in conditions(state, self.s, now):
             key = (c.rule, c.key)
@@ -141,16 +144,18 @@ class Alerts:
                 self.firing.add(key)
             else:
                 self.firing.discard(key)
-            out.append(
-                ev.AlertRaised(
-                    rule=c.rule,
-                    key=c.key,
-                    state="firing" if c.holds else "resolved",
-                    severity=c.severity,
-                    message=c.message if c.holds else f"resolved: {c.message}",
-                    step=step,
-                    value=round(c.value, 6),
-                    threshold=round(c.threshold, 6),
-                )
+            raised = ev.AlertRaised(
+                rule=c.rule,
+                key=c.key,
+                state="firing" if c.holds else "resolved",
+                severity=c.severity,
+                message=c.message if c.holds else f"resolved: {c.message}",
+                step=step,
+                value=round(c.value, 6),
+                threshold=round(c.threshold, 6),
             )
+            state.note_alert(
+                AlertView(raised.rule, raised.key, raised.state, raised.severity, raised.message, step, now)
+            )
+            out.append(raised)
         return out

@@ -23,7 +23,7 @@ from jetrl.bus.log import get_logger
 from jetrl.consumers.monitor import reader
 from jetrl.consumers.monitor.alerts import Alerts
 from jetrl.consumers.monitor.inspector import Inspector
-from jetrl.consumers.monitor.series import AlertView, MonitorState, StepPoint
+from jetrl.consumers.monitor.series import MonitorState, StepPoint
 from jetrl.consumers.monitor.settings import MonitorSettings
 from jetrl.store.db import Store
 
@@ -132,12 +132,10 @@ class Monitor:
                         log.debug("monitor_queue_depths_failed", error=str(exc))
 
     def check_alerts(self) -> list[ev.AlertRaised]:
-        """Evaluate the rules now; transitions are shown at once (and published by ``publish``)."""
+        """Evaluate the rules now: transitions are in the state at once, and on the log once
+        ``publish`` has sent them."""
         out = self.alerts.check(self.state, self.now())
         for a in out:
-            self.state.note_alert(
-                AlertView(a.rule, a.key, a.state, a.severity, a.message, a.step, self.now())
-            )
             log.warning(
                 "alert",
                 run_id=self.run_id,

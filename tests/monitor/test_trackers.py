@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from jetrl.consumers.monitor import records as rec
 from jetrl.consumers.monitor.series import MonitorState, StepPoint
 from jetrl.consumers.monitor.settings import MonitorSettings
 from jetrl.consumers.monitor.trackers import open_trackers
+from tests.support.trackers import check_once
 
 pytest.importorskip("wandb")
 pytest.importorskip("tensorboard")
@@ -85,55 +85,6 @@ def points(steps: int) -> list[StepPoint]:
     return got
 
 
-def tensorboard_series(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing import event_accumulator as ea
-
-    acc = ea.EventAccumulator(str(log_dir), size_guidance={ea.SCALARS: 0})
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
-def wandb_history(wandb_dir: Path) -> list[dict[str, float]]:
-    """Every history row of the run's offline sessions, read by wandb's own reader
-    (``wandb leet inspect --json``, wandb-core's transaction-log reader)."""
-    exe = Path(sys.executable).parent / "wandb"
-    rows = []
-    for path in sorted(wandb_dir.glob(f"offline-run-*-{RUN}*/run-{RUN}.wandb")):
-        out = subprocess.run(
-            [str(exe), "leet", "inspect", "--json", str(path)], capture_output=True, text=True, timeout=60
-        )
-        assert out.returncode == 0, out.stderr
-        for line in out.stdout.splitlines():
-            r = json.loads(line)
-            if r.get("type") == "history":
-                item = dict(r["history"]["item"])
-                assert item["_step"] == r["history"]["step"]["num"]
-                rows.append(item)
-    return rows
-
-
-def check_once(out_dir: Path, expected: list[StepPoint]) -> None:
-    """Each tracker holds every expected point, once, with its values."""
-    tb = tensorboard_series(out_dir / "tensorboard")
-    for tag, series in tb.items():
-        steps = [s for s, _ in series]
-        assert steps == sorted(set(steps)), f"tensorboard {tag}: steps written twice or out of order"
-    for p in expected:
-        for k, v in p.scalars().items():
-            assert dict(tb[k])[p.step] == pytest.approx(v, rel=1e-6, abs=1e-7), (k, p.step)  # float32
-    assert {s for series in tb.values() for s, _ in series} == {p.step for p in expected}
-
-    rows = wandb_history(out_dir / "wandb")
-    counts = Counter(int(r["_step"]) for r in rows)
-    assert sorted(counts) == [p.step for p in expected]
-    assert set(counts.values()) == {1}, f"W&B steps written twice: {counts}"
-    by_step = {int(r["_step"]): r for r in rows}
-    for p in expected:
-        row = by_step[p.step]
-        for k, v in p.scalars().items():
-            assert float(row[k]) == pytest.approx(v, rel=1e-12), (k, p.step)
-
-
 def test_points_reach_both_trackers(tmp_path: Path) -> None:
     pts = points(5)
     bridge = open_trackers(BOTH, RUN, tmp_path)
@@ -147,7 +98,7 @@ def test_points_reach_both_trackers(tmp_path: Path) -> None:
         "wandb": {"step": 4, "seq": pts[-1].seq},
     }
     bridge.close()
-    check_once(tmp_path, pts)
+    check_once(tmp_path, RUN, pts)
     assert any(pts[0].scalars()[k] != pts[1].scalars()[k] for k in pts[0].scalars())  # values vary
 
 
@@ -172,7 +123,7 @@ def test_restart_writes_each_point_once(tmp_path: Path) -> None:
         again.listener(p)
     assert (again.written, again.skipped) == (3, 5)
     again.close()
-    check_once(tmp_path, pts)
+    check_once(tmp_path, RUN, pts)
 
     # A crash after the trackers took step 7 and before position.json said so: the trackers'
     # own files say where each one is, so step 7 is not written again.
@@ -184,7 +135,7 @@ def test_restart_writes_each_point_once(tmp_path: Path) -> None:
         third.listener(p)
     assert third.written == 0
     third.close()
-    check_once(tmp_path, pts)
+    check_once(tmp_path, RUN, pts)
 
 
 def test_crash_loses_and_duplicates_nothing(tmp_path: Path) -> None:
@@ -220,4 +171,4 @@ def test_crash_loses_and_duplicates_nothing(tmp_path: Path) -> None:
     for p in pts:
         bridge.listener(p)
     bridge.close()
-    check_once(tmp_path, pts)
+    check_once(tmp_path, RUN, pts)
