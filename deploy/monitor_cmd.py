@@ -37,7 +37,7 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     start = p.add_mutually_exclusive_group()
     start.add_argument("--from-step", type=int, default=None, help="start the series at this step")
     start.add_argument(
-        "--from-time", default=None, help="start at a time: ISO 8601, epoch seconds, or '-30m' (ago)"
+        "--from-time", default=None, help="start at a time: 'now', '-30m' (ago), epoch seconds or ISO 8601"
     )
     p.add_argument("--web", action="store_true", help="serve the dashboard to a browser")
     p.add_argument("--host", default="127.0.0.1", help="--web: address to bind (0.0.0.0: other machines)")
@@ -48,7 +48,9 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 
 def parse_time(text: str, now: float) -> float:
-    """'-30m', '-2h', '-90s' (ago), epoch seconds, or an ISO 8601 time (local when naive)."""
+    """'now', '-30m', '-2h', '-90s' (ago), epoch seconds, or an ISO 8601 time (local when naive)."""
+    if text.strip() == "now":
+        return now
     m = re.fullmatch(r"-(\d+(?:\.\d+)?)([smhd])", text.strip())
     if m:
         return now - float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]

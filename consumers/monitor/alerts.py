@@ -10,6 +10,7 @@ under ids derived from (rule, key, state, step), so two monitors of one run rais
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -104,6 +105,19 @@ def conditions(state: MonitorState, s: AlertSettings, now: float) -> Iterator[Co
             s.mismatch_kl,
             "warning",
             f"train/inference mismatch KL {kl:.4f} at step {last.step} (threshold {s.mismatch_kl})",
+        )
+
+    if steps:
+        last = steps[-1]
+        bad = [k for k in ("loss", "grad_norm") if not math.isfinite(last.trainer.get(k, 0.0))]
+        yield Condition(
+            "loss_not_finite",
+            "trainer",
+            bool(bad),
+            float(len(bad)),
+            0.0,
+            "critical",
+            f"{' and '.join(bad) or 'loss'} not finite at step {last.step}",
         )
 
     n = s.reward_window

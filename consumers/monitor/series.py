@@ -15,7 +15,6 @@ rollouts and alerts.
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,7 +82,7 @@ class StepPoint:
             "queue/pending_samples": float(self.pending_samples),
             "queue/pending_rollouts": float(self.pending_rollouts),
         }
-        return {k: (v if math.isfinite(v) else 0.0) for k, v in out.items()}
+        return out  # NaN and infinities kept: a NaN loss is what people need to see
 
     def as_json(self) -> dict[str, Any]:
         return {"step": self.step, "version": self.policy_version, "t": self.t, **self.scalars()}

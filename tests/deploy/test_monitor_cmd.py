@@ -21,6 +21,7 @@ from tests.support.synthetic import log_items, publish_events, synthetic_run
 
 def test_parse_time() -> None:
     now = 1_000_000.0
+    assert parse_time("now", now) == now
     assert parse_time("-30m", now) == now - 1800
     assert parse_time("-2h", now) == now - 7200
     assert parse_time("1760000000", now) == 1_760_000_000.0

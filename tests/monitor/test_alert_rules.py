@@ -94,3 +94,13 @@ def test_an_alert_folded_back_from_the_log_is_counted_once() -> None:
     )
     assert s.alert_counts == {"trainer_stalled": 1}
     assert s.snapshot(101.0)["alerts"][0]["state"] == "firing"
+
+
+def test_a_loss_that_is_not_finite_is_critical_and_shown_as_it_is() -> None:
+    s = state_with(rec.Started(1, 0.0, {}), *step(10, 10.0, 0, loss=float("nan"), grad_norm=1.0))
+    assert s.steps[-1].scalars()["trainer/loss"] != s.steps[-1].scalars()["trainer/loss"]  # NaN kept
+    a = Alerts(AlertSettings())
+    assert ("loss_not_finite", "trainer", "firing") in fired(a, s, 11.0)
+    for r in step(20, 12.0, 1, loss=0.5, grad_norm=1.0):
+        s.apply(r)
+    assert ("loss_not_finite", "trainer", "resolved") in fired(a, s, 12.5)

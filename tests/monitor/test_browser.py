@@ -35,7 +35,10 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
-STEPS = 20
+# docs/monitoring.md's screenshots come from a longer run of another env:
+# JETRL_BROWSER_TEST_STEPS=150 JETRL_BROWSER_TEST_ENV=reverse
+STEPS = int(os.environ.get("JETRL_BROWSER_TEST_STEPS", "20"))
+ENV = os.environ.get("JETRL_BROWSER_TEST_ENV", "modsum")
 T = TypeVar("T")
 
 if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
@@ -112,6 +115,8 @@ async def test_the_dashboard_follows_a_real_run_and_shows_the_stores_figures(
             "4",
             "--envs.0.group_size",
             "8",
+            "--envs.0.name",
+            ENV,
             "--monitor.alerts",
             "false",  # the run's own monitor part: one process fewer on a small machine
             "--bus.max_gib",
