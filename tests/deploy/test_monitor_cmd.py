@@ -4,6 +4,7 @@ server, and the errors a user can act on."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -12,7 +13,6 @@ import pytest
 
 from jetrl.bus.client import Bus
 from jetrl.bus.server import EmbeddedServer
-from jetrl.deploy.cli import main
 from jetrl.deploy.monitor_cmd import parse_time
 from jetrl.store.db import open_store, sqlite_url
 from jetrl.store.projection import apply_batch
@@ -30,25 +30,32 @@ def test_parse_time() -> None:
         parse_time("yesterday", now)
 
 
-def test_a_finished_run_is_shown_from_its_store(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def jetrl(*args: str) -> subprocess.CompletedProcess[str]:
+    """The command in a process of its own (it configures logging and signals as it runs)."""
+    return subprocess.run(
+        [sys.executable, "-m", "jetrl.deploy.cli", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_a_finished_run_is_shown_from_its_store(tmp_path: Path) -> None:
     run = synthetic_run("cmdmon", steps=6, tasks_per_step=3, group_size=4)
     (tmp_path / "cmdmon").mkdir()
     store = open_store(sqlite_url(tmp_path / "cmdmon" / "store.db"))
     with store.write() as conn:
         apply_batch(conn, run_id="cmdmon", stream="S", consumer="c", items=log_items(run.events))
     store.close()
-    assert main(["monitor", "cmdmon", "--runs-dir", str(tmp_path), "--once"]) == 0
-    out = capsys.readouterr().out
-    assert "from the store" in out and "completed" in out
-    assert "step 6  version v6" in out
-    # From a step: the sparkline covers the steps from there on only.
-    assert main(["monitor", "cmdmon", "--runs-dir", str(tmp_path), "--once", "--from-step", "4"]) == 0
-    assert "step 6" in capsys.readouterr().out
+    done = jetrl("monitor", "cmdmon", "--runs-dir", str(tmp_path), "--once")
+    assert done.returncode == 0, done.stderr
+    assert "from the store" in done.stdout and "completed" in done.stdout
+    assert "step 6  version v6" in done.stdout
+    later = jetrl("monitor", "cmdmon", "--runs-dir", str(tmp_path), "--once", "--from-step", "4")
+    assert later.returncode == 0 and "step 6" in later.stdout
 
 
-def test_no_server_and_no_store_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["monitor", "nothere", "--runs-dir", str(tmp_path), "--once"]) == 2
-    assert "no live server for nothere and no store" in capsys.readouterr().err
+def test_no_server_and_no_store_says_so(tmp_path: Path) -> None:
+    done = jetrl("monitor", "nothere", "--runs-dir", str(tmp_path), "--once")
+    assert done.returncode == 2
+    assert "no live server for nothere and no store" in done.stderr
 
 
 async def test_a_live_run_is_shown_from_its_server(
