@@ -198,6 +198,9 @@ class Supervisor:
         logs = self.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, OMP_NUM_THREADS=str(part.threads), JETRL_LOG_JSON="1")
+        # A wandb-core this process may run is not the part's: a part shares none, so that a
+        # killed monitor's W&B run is not left "in use" there for its successor.
+        env.pop("WANDB_SERVICE", None)
         with (logs / f"{part.name}.log").open("ab") as out:
             part.proc = subprocess.Popen(
                 part.argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
