@@ -117,6 +117,7 @@ async def test_the_dashboard_follows_a_real_run_and_shows_the_stores_figures(
             "8",
             "--envs.0.name",
             ENV,
+            *(() if ENV == "modsum" else ("--envs.0.params", "{}")),  # the demo's are modsum's
             "--monitor.alerts",
             "false",  # the run's own monitor part: one process fewer on a small machine
             "--bus.max_gib",
