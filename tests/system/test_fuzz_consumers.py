@@ -381,6 +381,7 @@ class Fuzz:
         self.dead: dict[int, list[tuple[int, ev.DeadLettered]]] = {}  # original seq -> (seq, body)
         self.forged_dead = 0
         self.outputs: list[tuple[int, ev.Event]] = []
+        self.own: set[int] = set()  # log positions of what this harness published (not outputs)
         self.counts: Counter[str] = Counter()
         self.reasons: Counter[str] = Counter()
         self.examples = 0
@@ -444,6 +445,7 @@ class Fuzz:
             ack = await self.bus.js.publish(it.subject, it.data, headers=it.headers or None)
             assert not ack.duplicate, it
             it.seq = ack.seq
+            self.own.add(ack.seq)
             self.counts[it.kind] += 1
 
         def resolved(it: Item) -> bool:
@@ -1513,7 +1515,9 @@ class TrainerFuzz(Fuzz):
 
     def fold(self) -> None:
         while self.outputs:
-            _, out = self.outputs.pop()
+            seq, out = self.outputs.pop()
+            if seq in self.own:
+                continue  # a case's own event (a forged StepCompleted, say), not the trainer's
             b = out.body
             if isinstance(b, ev.StepCompleted):
                 self.steps += 1
