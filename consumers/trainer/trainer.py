@@ -334,17 +334,22 @@ class Trainer:
         stats = self.core.engine.step_token_stats()
         if not stats:
             return None
-        worst = 0.0
-        for r, s in zip(rollouts, stats, strict=True):
-            model_tokens = (
-                torch.ones(len(r.completion_ids), dtype=torch.bool)
-                if r.completion_mask is None
-                else torch.as_tensor(list(r.completion_mask), dtype=torch.bool)
-            )
-            if model_tokens.any():
-                lr = (s[:, 0].double() - r.inference_logprobs.double())[model_tokens]
-                worst = max(worst, float((lr.exp() - 1 - lr).mean()))
-        metrics["mismatch_kl_max"] = worst
+        # All rollouts at once (small tensors: a loop of torch calls per rollout cost more
+        # than the step's own bookkeeping).
+        model: list[int] = []
+        for r in rollouts:
+            model += [1] * len(r.completion_ids) if r.completion_mask is None else list(r.completion_mask)
+        keep = torch.tensor(model, dtype=torch.float64)
+        lengths = torch.tensor([len(r.completion_ids) for r in rollouts])
+        which = torch.repeat_interleave(torch.arange(len(rollouts)), lengths)
+        lr = (
+            torch.cat([s[:, 0] for s in stats]).double()
+            - torch.cat([r.inference_logprobs for r in rollouts]).double()
+        )
+        k3 = torch.where(keep > 0, lr.exp() - 1 - lr, torch.zeros_like(lr))
+        n = torch.zeros(len(rollouts), dtype=torch.float64).index_add_(0, which, keep)
+        total = torch.zeros(len(rollouts), dtype=torch.float64).index_add_(0, which, k3)
+        metrics["mismatch_kl_max"] = float((total[n > 0] / n[n > 0]).max()) if bool((n > 0).any()) else 0.0
         if not self.s.record_token_stats:
             return None
         assert self.payloads is not None
