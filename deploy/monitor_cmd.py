@@ -15,11 +15,13 @@ import datetime
 import re
 import socket
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 if TYPE_CHECKING:
+    from jetrl.bus.client import Bus
     from jetrl.consumers.monitor.service import Monitor
 
 DEFAULT_WEB_PORT = 8265
@@ -73,6 +75,25 @@ def server_up(url: str, timeout: float = 1.0) -> bool:
             return True
     except OSError:
         return False
+
+
+@contextlib.asynccontextmanager
+async def private_log(run_dir: Path) -> AsyncIterator[Bus | None]:
+    """A finished run's own log files (``<run dir>/nats``) served by a private nats-server for
+    as long as the dashboard runs, so that its inspector can read tokens; None when the run
+    has no such files (its log was on another server)."""
+    from jetrl.bus.client import Bus
+    from jetrl.bus.server import EmbeddedServer
+
+    if not (run_dir / "nats").is_dir():
+        yield None
+        return
+    with EmbeddedServer(run_dir / "nats") as srv:
+        bus = await Bus.connect(srv.url, name="monitor-inspector")
+        try:
+            yield bus
+        finally:
+            await bus.close()
 
 
 async def show_terminal(monitor: Monitor, stop: asyncio.Event, once: bool) -> None:
@@ -150,7 +171,8 @@ def main(args: argparse.Namespace) -> int:
     url = args.nats_url
     if url is None and (run_dir / "nats_url").exists():
         url = (run_dir / "nats_url").read_text().strip()
-    live = url is not None and not args.store and server_up(url)
+    up = url is not None and server_up(url)
+    live = up and not args.store
     if args.nats_url and not live and not args.store:
         print(
             f"jetrl monitor: no server at {args.nats_url}; reading the run's store instead", file=sys.stderr
@@ -177,23 +199,28 @@ def main(args: argparse.Namespace) -> int:
             creds = str(reg.creds_path("monitor"))
 
     async def go(stop: asyncio.Event) -> int:
-        bus = None
-        if live:
-            from jetrl.bus.client import Bus
+        from jetrl.bus.client import Bus
 
+        bus = log_bus = None
+        if live:
             assert url is not None
             bus = await Bus.connect(url, name=f"monitor-cli-{args.run}", creds=creds)
-        monitor = Monitor(args.run, bus=bus, store=store, settings=MonitorSettings(), start=start)
-        try:
-            if args.web:
-                await show_web(monitor, stop, args.host, args.port, args.prometheus)
-            else:
-                await show_terminal(monitor, stop, args.once)
-        finally:
-            if bus is not None:
-                await bus.close()
-            if store is not None:
-                store.close()
+        async with contextlib.AsyncExitStack() as stack:
+            if args.web and not up:  # never a second server on files a live one is using
+                log_bus = await stack.enter_async_context(private_log(run_dir))
+            monitor = Monitor(
+                args.run, bus=bus, store=store, settings=MonitorSettings(), start=start, log_bus=log_bus
+            )
+            try:
+                if args.web:
+                    await show_web(monitor, stop, args.host, args.port, args.prometheus)
+                else:
+                    await show_terminal(monitor, stop, args.once)
+            finally:
+                if bus is not None:
+                    await bus.close()
+                if store is not None:
+                    store.close()
         return 0
 
     # Logs would tear the terminal frame: only errors go to stderr there.

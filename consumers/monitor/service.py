@@ -44,7 +44,10 @@ class Monitor:
         start: reader.Start | None = None,
         publish_alerts: bool = False,
         keep_steps: int | None = None,
+        log_bus: Bus | None = None,
     ) -> None:
+        """``log_bus``: a finished run's log served apart from its store (by a private server
+        on the run's own log files), read by the inspector only: the series come from the store."""
         if bus is None and store is None:
             raise ValueError("a monitor reads a run's log (bus) or its store (store)")
         self.run_id = run_id
@@ -58,7 +61,7 @@ class Monitor:
         self.listeners: list[Listener] = []
         self.queues: list[reader.QueueDepth] = []
         self.caught_up = asyncio.Event()
-        self.inspector = Inspector(run_id, bus=bus, store=store)
+        self.inspector = Inspector(run_id, bus=bus or log_bus, store=store)
 
     @property
     def live(self) -> bool:

@@ -77,3 +77,36 @@ async def test_a_live_run_is_shown_from_its_server(
     assert "live" in out and "running" in out and "step 4  version v4" in out
     # The backlog of the run's durable consumers comes from the server (none here).
     assert "log: rollouts scored, not trained" in out
+
+
+@pytest.mark.slow
+async def test_a_finished_runs_inspector_reads_the_runs_own_log_files(tmp_path: Path) -> None:
+    from jetrl.consumers.monitor.service import Monitor
+    from jetrl.deploy.config import load_config
+    from jetrl.deploy.monitor_cmd import private_log
+    from jetrl.deploy.supervisor import Supervisor
+
+    cfg = load_config(
+        None,
+        [
+            *("--trainer.max_steps", "3", "--trainer.batch_groups", "2", "--inference.workers", "1"),
+            *("--envs.0.group_size", "4", "--monitor.alerts", "false"),
+            *("--bus.max_gib", "0.25", "--bus.payload_max_gib", "0.5"),
+        ],
+    )
+    run_dir = tmp_path / "fin"
+    assert await Supervisor(cfg, "fin", run_dir, quiet=True).run() == 0  # its own server, now gone
+    store = open_store(sqlite_url(run_dir / "store.db"))
+    try:
+        async with private_log(run_dir) as log_bus:
+            assert log_bus is not None
+            monitor = Monitor("fin", store=store, log_bus=log_bus)
+            monitor.load_store()
+            assert [p.step for p in monitor.state.steps] == [0, 1, 2]
+            view = await monitor.inspect(1)
+    finally:
+        store.close()
+    assert view is not None and view["recorded"] and len(view["rollouts"]) == 8
+    assert all(t["train_lp"] is not None for r in view["rollouts"] for t in r["tokens"])
+    async with private_log(tmp_path / "nolog") as none:
+        assert none is None
