@@ -95,13 +95,15 @@ def mismatch_stats(
     """Train/inference mismatch over the ``mask`` tokens (no gradient).
 
     ``mismatch_kl`` is the k3 estimate of KL(pi_inf || pi_train) from tokens sampled by
-    inference, ``mean((r - 1) - log r)``; ``gap_frac`` the share of tokens whose probabilities
-    differ by more than ``gap_threshold``."""
+    inference, ``mean((r - 1) - log r)``; ``mismatch_kl_max`` the largest such mean of one row
+    (one rollout); ``gap_frac`` the share of tokens whose probabilities differ by more than
+    ``gap_threshold``."""
     mask = mask.bool()
     n = int(mask.sum())
     if n == 0:
         return {
             "mismatch_kl": 0.0,
+            "mismatch_kl_max": 0.0,
             "gap_frac": 0.0,
             "ratio_mean": 1.0,
             "ratio_std": 0.0,
@@ -109,11 +111,15 @@ def mismatch_stats(
             "ratio_max": 1.0,
             "num_tokens": 0.0,
         }
-    lr = (logprobs.detach().double() - inference_logprobs.detach().double())[mask]
+    full = logprobs.detach().double() - inference_logprobs.detach().double()
+    lr = full[mask]
     ratio = lr.exp()
     gap = (logprobs.detach().double().exp() - inference_logprobs.detach().double().exp())[mask].abs()
+    k3_rows = torch.where(mask, full.exp() - 1 - full, torch.zeros_like(full)).sum(-1)
+    per_row = mask.sum(-1)
     return {
         "mismatch_kl": float((ratio - 1 - lr).mean()),
+        "mismatch_kl_max": float((k3_rows[per_row > 0] / per_row[per_row > 0]).max()),
         "gap_frac": float((gap > gap_threshold).double().mean()),
         "ratio_mean": float(ratio.mean()),
         "ratio_std": float(ratio.std(correction=0)),

@@ -221,7 +221,7 @@ def train_step(
                 metrics[k] = metrics.get(k, 0.0) + v  # already normalised by the step's total
             elif k == "ratio_min":
                 metrics[k] = min(metrics.get(k, v), v)
-            elif k == "ratio_max":
+            elif k in ("ratio_max", "mismatch_kl_max"):
                 metrics[k] = max(metrics.get(k, v), v)
             else:
                 metrics[k] = metrics.get(k, 0.0) + w * v

@@ -22,7 +22,7 @@ from typing import Any
 from jetrl.consumers.monitor import records as rec
 
 # The trainer's metrics each StepPoint carries under its own name (0.0 where the engine
-# reports none; ``mismatch_kl_max`` comes from the token records, see trainer.py).
+# reports none).
 TRAINER_METRICS = (
     "loss",
     "mismatch_kl",

@@ -31,8 +31,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import structlog
-import torch
 
 from jetrl.bus import events as ev
 from jetrl.bus import ids, subjects
@@ -54,7 +54,6 @@ from jetrl.consumers.trainer.replay import Replayer, ReplayError, read_rollouts,
 from jetrl.consumers.trainer.settings import TrainerPart
 from jetrl.consumers.trainer.withholding import ScoredDelivery, rollout_consumer_spec, withheld_event
 from jetrl.policy.origin import model_config_of
-from jetrl.policy.train import Rollout
 
 # WeightsReady.format of each [trainer] weights_layout (docs/events.md).
 WEIGHTS_FORMATS = {"jetrl": "safetensors", "hf": "safetensors-hf"}
@@ -270,7 +269,7 @@ class Trainer:
         rewards = [b.reward for b in bodies]
         stale = [self.version - b.policy_version_start for b in bodies]
         metrics = await asyncio.to_thread(self.core.train, rollouts)
-        token_stats = await self.token_stats(rollouts, metrics, self.version)
+        token_stats = await self.token_stats(self.version)
         step = self.version
         self.version += 1
         tokens = sum(len(r.completion_ids) for r in rollouts)
@@ -325,36 +324,16 @@ class Trainer:
             step_s=round(duration, 3),
         )
 
-    async def token_stats(
-        self, rollouts: list[Rollout], metrics: dict[str, float], step: int
-    ) -> ev.ArrayRef | None:
+    async def token_stats(self, step: int) -> ev.ArrayRef | None:
         """The step's per-token trainer log-probs and routing differences as one array (in the
-        payload store when large), and ``mismatch_kl_max``: the largest per-rollout mismatch
-        KL, the k3 estimate as ``mismatch_kl`` but over each rollout's model tokens."""
+        payload store when large), when the engine records them and the run wants them."""
         stats = self.core.engine.step_token_stats()
-        if not stats:
-            return None
-        # All rollouts at once (small tensors: a loop of torch calls per rollout cost more
-        # than the step's own bookkeeping).
-        model: list[int] = []
-        for r in rollouts:
-            model += [1] * len(r.completion_ids) if r.completion_mask is None else list(r.completion_mask)
-        keep = torch.tensor(model, dtype=torch.float64)
-        lengths = torch.tensor([len(r.completion_ids) for r in rollouts])
-        which = torch.repeat_interleave(torch.arange(len(rollouts)), lengths)
-        lr = (
-            torch.cat([s[:, 0] for s in stats]).double()
-            - torch.cat([r.inference_logprobs for r in rollouts]).double()
-        )
-        k3 = torch.where(keep > 0, lr.exp() - 1 - lr, torch.zeros_like(lr))
-        n = torch.zeros(len(rollouts), dtype=torch.float64).index_add_(0, which, keep)
-        total = torch.zeros(len(rollouts), dtype=torch.float64).index_add_(0, which, k3)
-        metrics["mismatch_kl_max"] = float((total[n > 0] / n[n > 0]).max()) if bool((n > 0).any()) else 0.0
-        if not self.s.record_token_stats:
+        if not stats or not self.s.record_token_stats:
             return None
         assert self.payloads is not None
-        flat = torch.cat(stats).float().numpy()
-        return await self.payloads.put_array(f"token-stats-{step}", flat)
+        return await self.payloads.put_array(
+            f"token-stats-{step}", np.concatenate([s.numpy() for s in stats])
+        )
 
     def done(self) -> bool:
         if self.version >= self.s.max_steps:

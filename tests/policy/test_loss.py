@@ -114,6 +114,18 @@ def test_num_tokens_override_and_entropy_metric():
     assert loss_a.item() == -1.0 and loss_b.item() == -0.5 and m["entropy"] == 1.0
 
 
+def test_mismatch_kl_max_is_the_largest_rollouts_mean():
+    lp = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.5, 0.5, 0.9]]))
+    ilp = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.4, 0.6, 0.1]]))
+    mask = torch.tensor([[True, True, False], [True, True, False]])  # the 0.9/0.1 token is masked
+    s = mismatch_stats(lp, ilp, mask)
+    lr = (lp - ilp)[1, :2].double()
+    assert s["mismatch_kl_max"] == pytest.approx(float((lr.exp() - 1 - lr).mean()))
+    assert s["mismatch_kl_max"] >= s["mismatch_kl"] > 0
+    empty = mismatch_stats(lp, ilp, torch.zeros(2, 3, dtype=torch.bool))
+    assert empty["mismatch_kl_max"] == 0.0
+
+
 def test_gap_metric_and_shape_errors():
     lp = torch.log(torch.tensor([[0.5, 0.5]]))
     ilp = torch.log(torch.tensor([[0.5, 0.3]]))
