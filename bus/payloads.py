@@ -198,7 +198,8 @@ class LogArrays:
         self.cache_events = cache_events
         self._events: dict[int, ev.Event] = {}
 
-    async def _event(self, seq: int) -> ev.Event:
+    async def event(self, seq: int) -> ev.Event:
+        """The event at ``seq`` of the run's log (read once while among the recent ones)."""
         event = self._events.get(seq)
         if event is None:
             if not 1 <= seq < 2**63:  # the server refuses such a request (it is no sequence)
@@ -218,12 +219,12 @@ class LogArrays:
     async def prefetch(self, refs: list[ev.LogArray]) -> None:
         """Read the events behind ``refs`` concurrently (one request each), ahead of get_array."""
         seqs = {r.seq for r in refs} - self._events.keys()
-        await asyncio.gather(*(self._event(s) for s in sorted(seqs)))
+        await asyncio.gather(*(self.event(s) for s in sorted(seqs)))
 
     async def get_array(self, ref: ev.LogArray, *, of_event: str | None = None) -> np.ndarray:
         """The array ``ref`` names; ``of_event``: the event id it must lie in (a rollout's
         arrays are its own generation's, never another tenant's)."""
-        event = await self._event(ref.seq)
+        event = await self.event(ref.seq)
         if of_event is not None and event.event_id != of_event:
             raise PayloadIntegrityError(
                 f"{self.stream} sequence {ref.seq} is event {event.event_id}, not the expected {of_event}"
@@ -312,6 +313,10 @@ class Payloads:
         in_log = [r for r in refs if isinstance(r, ev.LogArray)]
         if in_log:
             await self._log().prefetch(in_log)
+
+    async def event(self, seq: int) -> ev.Event:
+        """The event at ``seq`` of the run's log."""
+        return await self._log().event(seq)
 
     def _log(self) -> LogArrays:
         if self.log is None:

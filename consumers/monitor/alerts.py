@@ -144,20 +144,14 @@ class Alerts:
 
     def __init__(self, settings: AlertSettings) -> None:
         self.s = settings
-        self.firing: set[tuple[str, str]] = set()
 
     def check(self, state: MonitorState, now: float) -> list[ev.AlertRaised]:
         step = state.steps[-1].step if state.steps else -1
-        self.firing = {k for k, a in state.alerts.items() if a.state == "firing"}
+        firing = state.firing()
         out = []
         for c in conditions(state, self.s, now):
-            key = (c.rule, c.key)
-            if c.holds == (key in self.firing):
+            if c.holds == ((c.rule, c.key) in firing):
                 continue
-            if c.holds:
-                self.firing.add(key)
-            else:
-                self.firing.discard(key)
             raised = ev.AlertRaised(
                 rule=c.rule,
                 key=c.key,

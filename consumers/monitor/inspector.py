@@ -11,16 +11,13 @@ finished run whose server is gone) it returns what the store knows: no tokens.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy as np
 
 from jetrl.bus import events as ev
-from jetrl.bus import subjects
 from jetrl.bus.client import Bus
 from jetrl.bus.payloads import Payloads
-from jetrl.bus.streams import stream_name
 from jetrl.policy.settings import ModelSettings
 from jetrl.policy.tokenizer import Tokenizer, tokenizer_for
 from jetrl.store.db import Store
@@ -31,62 +28,32 @@ class Inspector:
         self.run_id = run_id
         self.bus = bus
         self.store = store
-        self.config: dict[str, Any] = {}
-        self._steps: dict[int, int] = {}  # step -> its StepCompleted's log position
+        self._tokenizer: Tokenizer | None = None
         self._payloads: Payloads | None = None
-        self._scanned = 0  # the last log position of the step subject read
 
-    @functools.cached_property
-    def tokenizer(self) -> Tokenizer:
-        return tokenizer_for(ModelSettings(**self.config.get("model", {})))
-
-    async def _event(self, seq: int) -> ev.Event:
-        assert self.bus is not None
-        msg = await self.bus.js.get_msg(stream_name(self.run_id), seq)
-        return ev.decode_event(msg.data or b"", dict(msg.headers or {}))
-
-    async def _find_step(self, step: int) -> ev.StepCompleted | None:
-        assert self.bus is not None
-        if step not in self._steps:  # read the steps logged since the last look
-            async for item in self.bus.tail(
-                self.run_id,
-                from_seq=self._scanned + 1,
-                filter_subject=subjects.step_subject(self.run_id),
-                to_head=True,
-            ):
-                self._scanned = max(self._scanned, item.seq)
-                if item.event is not None and isinstance(item.event.body, ev.StepCompleted):
-                    self._steps.setdefault(item.event.body.step, item.seq)
-        seq = self._steps.get(step)
-        if seq is None:
-            return None
-        body = (await self._event(seq)).body
-        return body if isinstance(body, ev.StepCompleted) else None
-
-    async def step(self, step: int) -> dict[str, Any] | None:
+    async def step(self, step: int, seq: int | None, config: dict[str, Any]) -> dict[str, Any] | None:
+        """Step ``step``, whose StepCompleted lies at ``seq`` of the log, in a run of ``config``."""
         if self.bus is None:
             return self._from_store(step)
-        if not self.config:
-            async for item in self.bus.tail(
-                self.run_id, filter_subject=subjects.run_subject(self.run_id), to_head=True
-            ):
-                if item.event is not None and isinstance(item.event.body, ev.RunStarted):
-                    self.config = dict(item.event.body.config)
-                    break
-        body = await self._find_step(step)
-        if body is None:
+        if seq is None:
             return None
+        if self._tokenizer is None:
+            self._tokenizer = tokenizer_for(ModelSettings(**config.get("model", {})))
         if self._payloads is None:
             self._payloads = await Payloads.for_run(self.bus.js, self.run_id)
+        body = (await self._payloads.event(seq)).body
+        if not isinstance(body, ev.StepCompleted) or body.step != step:
+            return None
         stats = None
         if body.token_stats is not None:
             stats = (await self._payloads.get_array(body.token_stats)).reshape(-1, 2)
         rollouts, offset = [], 0
-        for rid, seq in zip(body.rollout_ids, body.rollout_seqs, strict=False):
-            event = await self._event(seq)
+        for rid, rseq in zip(body.rollout_ids, body.rollout_seqs, strict=False):
+            event = await self._payloads.event(rseq)
             r = event.body
             if not isinstance(r, ev.RolloutScored) or r.rollout_id != rid:
-                rollouts.append({"rollout_id": rid, "error": f"log position {seq} holds no such rollout"})
+                rollouts.append({"rollout_id": rid, "error": f"log position {rseq} holds no such rollout"})
+                stats = None  # its length is unknown: the token records no longer line up
                 continue
             out = await self._rollout(step, event, r, stats, offset)
             offset += len(out["tokens"])
@@ -94,7 +61,7 @@ class Inspector:
         return {
             "step": body.step,
             "policy_version": body.policy_version,
-            "recorded": stats is not None,
+            "recorded": body.token_stats is not None,
             "metrics": {k: body.metrics[k] for k in ("mismatch_kl", "mismatch_kl_max") if k in body.metrics},
             "rollouts": rollouts,
         }
@@ -112,13 +79,14 @@ class Inspector:
             mask = (await self._payloads.get_array(r.completion_mask)).tolist()
         finish = ""
         if isinstance(r.completion_tokens, ev.LogArray):  # the generation's event, where the array lies
-            gen = (await self._event(r.completion_tokens.seq)).body
+            gen = (await self._payloads.event(r.completion_tokens.seq)).body
             if isinstance(gen, ev.GenerationCompleted):
                 finish = gen.finish_reason
         mine = stats[offset : offset + len(completion)] if stats is not None else None
         if mine is not None and len(mine) != len(completion):
             mine = None  # the token records do not line up with this rollout: show none
-        tok = self.tokenizer
+        tok = self._tokenizer
+        assert tok is not None
         tokens = []
         gaps = []
         for i, t in enumerate(completion):

@@ -15,6 +15,7 @@ rollouts and alerts.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,17 +113,6 @@ class AlertView:
     t: float
 
 
-@dataclass(slots=True)
-class _Rollout:
-    tenant: str
-    env: str
-    reward: float
-    version_start: int
-    length: int
-    generation_event_id: str
-    scored_seq: int
-
-
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
@@ -156,7 +146,7 @@ class MonitorState:
         self.events = 0
         self.undecodable = 0  # messages of the log that are not events (counted, not folded)
         self.from_step: int | None = None  # steps before it are folded but not kept as points
-        self._queued: dict[str, _Rollout] = {}  # scored, neither trained nor withheld
+        self._queued: dict[str, rec.Scored] = {}  # scored, neither trained nor withheld
         self._generations: OrderedDict[str, rec.Generated] = OrderedDict()
         self._asked = 0  # samples asked for by tasks
         self._generated = 0
@@ -185,9 +175,7 @@ class MonitorState:
                 if len(self._generations) > _GENERATIONS_KEPT:
                     self._generations.popitem(last=False)
             case rec.Scored():
-                self._queued[r.rollout_id] = _Rollout(
-                    r.tenant, r.env, r.reward, r.version_start, r.length, r.generation_event_id, r.seq
-                )
+                self._queued[r.rollout_id] = r
             case rec.Withheld():
                 self._queued.pop(r.rollout_id, None)
                 self.withheld_by_reason[r.reason] = self.withheld_by_reason.get(r.reason, 0) + 1
@@ -261,8 +249,8 @@ class MonitorState:
             inference_weight_wait_frac=self._wait_since_step / inference_s if inference_s > 0 else 0.0,
             withheld=self._withheld_since_step,
             dead_letters=self._dead_since_step,
-            pending_samples=max(0, self._asked - self._generated),
-            pending_rollouts=len(self._queued),
+            pending_samples=self.pending_samples,
+            pending_rollouts=self.pending_rollouts,
         )
         self._wait_since_step = self._busy_since_step = 0.0
         self._withheld_since_step = self._dead_since_step = 0
@@ -282,6 +270,10 @@ class MonitorState:
     @property
     def pending_rollouts(self) -> int:
         return len(self._queued)
+
+    def firing(self) -> set[tuple[str, str]]:
+        """The (rule, key) of every alert firing now."""
+        return {k for k, a in self.alerts.items() if a.state == "firing"}
 
     def dead_letters_since(self, t: float) -> int:
         return sum(1 for x in self.dead_times if x >= t)
@@ -311,17 +303,6 @@ class MonitorState:
             "dead_letters": dict(sorted(self.dead_by_reason.items())),
             "pending_samples": self.pending_samples,
             "pending_rollouts": self.pending_rollouts,
-            "alerts": [
-                {
-                    "rule": a.rule,
-                    "key": a.key,
-                    "state": a.state,
-                    "severity": a.severity,
-                    "message": a.message,
-                    "step": a.step,
-                    "t": a.t,
-                }
-                for a in sorted(self.alerts.values(), key=lambda a: -a.t)
-            ],
+            "alerts": [dataclasses.asdict(a) for a in sorted(self.alerts.values(), key=lambda a: -a.t)],
             "alert_counts": dict(sorted(self.alert_counts.items())),
         }

@@ -179,4 +179,5 @@ class Monitor:
 
     async def inspect(self, step: int) -> dict[str, Any] | None:
         """The rollouts a step trained on, token by token (consumers/monitor/inspector.py)."""
-        return await self.inspector.step(step)
+        seq = next((p.seq for p in reversed(self.state.steps) if p.step == step), None)
+        return await self.inspector.step(step, seq, self.state.config)

@@ -92,7 +92,7 @@ async def test_alerts_are_published_once_by_two_monitors(bus: Bus, run_id: str) 
         task = asyncio.create_task(m.run(stop))
         await asyncio.wait_for(m.caught_up.wait(), 10)
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not m.alerts.firing >= {
+        while time.monotonic() < deadline and not m.state.firing() >= {
             ("trainer_stalled", "trainer"),
             ("mismatch_kl", "trainer"),
         }:

@@ -159,7 +159,7 @@ class FakeInspector:
     def __init__(self) -> None:
         self.fail = False
 
-    async def step(self, step: int) -> dict[str, Any] | None:
+    async def step(self, step: int, seq: int | None, config: dict[str, Any]) -> dict[str, Any] | None:
         if self.fail:
             raise RuntimeError("the payload store is gone")
         token = {"text": "7", "id": 9, "model": True, "inference_lp": -0.5, "train_lp": -0.25}
