@@ -64,6 +64,7 @@ import numpy as np
 from load import cpu_load
 from nats.aio.msg import Msg
 from nats.js import api
+from stats import pct
 
 from jetrl.bus import events as ev
 from jetrl.bus import subjects
@@ -87,13 +88,6 @@ POLL_S = 0.01  # how often a reader checks whether it has read everything
 LAG_EVERY = 8  # the baseline reads the envelope time of one message in this many
 SUBSCRIBE_S = 60.0  # a reader that has not subscribed by then is reported, not waited for
 CPU_COUNT = os.cpu_count() or 1
-
-
-def pct(xs: list[float] | array[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
 # ----------------------------------------------------------------------------- load

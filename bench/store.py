@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 import sqlalchemy as sa
 from load import cpu_load
 from nats.js import api
+from stats import pct
 
 from jetrl.bus import subjects
 from jetrl.bus.client import Bus, ConsumerSpec
@@ -106,13 +107,6 @@ class Result:
     @property
     def baseline_eps(self) -> float:
         return self.events / self.baseline_s
-
-
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
 @contextmanager

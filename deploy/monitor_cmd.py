@@ -137,7 +137,6 @@ async def show_web(monitor: Monitor, stop: asyncio.Event, host: str, port: int, 
         from jetrl.consumers.monitor.prometheus import Exporter
 
         exporter = Exporter(monitor)
-        monitor.listeners.append(exporter.listener)
         metrics = exporter.render
     task = asyncio.create_task(monitor.run(stop))
     try:

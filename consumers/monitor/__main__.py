@@ -35,7 +35,6 @@ async def watch(bus: Bus, run_id: str, part: MonitorPart, stop: asyncio.Event) -
         from jetrl.consumers.monitor.prometheus import Exporter
 
         exporter = Exporter(monitor)
-        monitor.listeners.append(exporter.listener)
         tasks.append(asyncio.create_task(exporter.serve("0.0.0.0", s.prometheus_port, stop)))
     try:
         await monitor.run(stop)

@@ -75,23 +75,13 @@ class Exporter:
         self.monitor = monitor
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
-        self._latest: StepPoint | None = None
         self.port: int | None = None  # the bound port once serve() listens
         self.serving = asyncio.Event()
 
-    # ------------------------------------------------------------------ inputs
-
-    def listener(self, point: StepPoint) -> None:
-        if self._latest is None or point.step >= self._latest.step:
-            self._latest = point
-
     def latest(self) -> StepPoint | None:
-        """The newest step point: told to the listener, or in the monitor's state already."""
+        """The newest step point of the monitor's state."""
         steps = self.monitor.state.steps
-        last = steps[-1] if steps else None
-        if last is not None and (self._latest is None or last.step > self._latest.step):
-            return last
-        return self._latest
+        return steps[-1] if steps else None
 
     # ------------------------------------------------------------------ families
 

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gzip
 import importlib.resources
 import json
 import math
-import mimetypes
 import socket
 from collections.abc import Callable
-from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
@@ -66,25 +65,11 @@ def _json(x: Any, status: int = 200) -> web.Response:
     return web.json_response(x, status=status, dumps=_dumps)
 
 
-class _Plotly:
-    """plotly.min.js from the installed plotly package (package_data), read once, kept gzipped too."""
-
-    def __init__(self) -> None:
-        self._raw: bytes | None = None
-        self._gz: bytes | None = None
-        self._lock = asyncio.Lock()
-
-    @staticmethod
-    def source() -> Traversable:
-        return importlib.resources.files("plotly").joinpath("package_data", "plotly.min.js")
-
-    async def body(self, gzipped: bool) -> bytes:
-        async with self._lock:
-            if self._raw is None:
-                self._raw = await asyncio.to_thread(self.source().read_bytes)
-            if gzipped and self._gz is None:
-                self._gz = await asyncio.to_thread(gzip.compress, self._raw, 6)
-        return self._gz if gzipped and self._gz is not None else self._raw
+@functools.cache
+def _plotly(gzipped: bool) -> bytes:
+    """plotly.min.js of the installed plotly package (package_data), read once, gzipped once."""
+    raw = importlib.resources.files("plotly").joinpath("package_data", "plotly.min.js").read_bytes()
+    return gzip.compress(raw, 6) if gzipped else raw
 
 
 def _monitor(request: web.Request) -> Monitor:
@@ -101,20 +86,16 @@ async def _static(request: web.Request) -> web.StreamResponse:
     # Only the files of static/ itself: no subfolders, no way out of it.
     if "/" in name or "\\" in name or name.startswith(".") or not path.is_file():
         raise web.HTTPNotFound()
-    ctype = mimetypes.guess_type(name)[0] or "application/octet-stream"
-    return web.FileResponse(path, headers={"Cache-Control": "no-cache", "Content-Type": ctype})
+    return web.FileResponse(path, headers={"Cache-Control": "no-cache"})
 
 
-def _plotly_handler(plotly: _Plotly) -> Callable[[web.Request], Any]:
-    async def handler(request: web.Request) -> web.Response:
-        gz = "gzip" in request.headers.get("Accept-Encoding", "")
-        body = await plotly.body(gz)
-        headers = {"Cache-Control": "public, max-age=86400", "Vary": "Accept-Encoding"}
-        if gz:
-            headers["Content-Encoding"] = "gzip"
-        return web.Response(body=body, content_type="application/javascript", headers=headers)
-
-    return handler
+async def _plotly_js(request: web.Request) -> web.Response:
+    gz = "gzip" in request.headers.get("Accept-Encoding", "")
+    body = await asyncio.to_thread(_plotly, gz)
+    headers = {"Cache-Control": "public, max-age=86400", "Vary": "Accept-Encoding"}
+    if gz:
+        headers["Content-Encoding"] = "gzip"
+    return web.Response(body=body, content_type="application/javascript", headers=headers)
 
 
 async def _snapshot(request: web.Request) -> web.Response:
@@ -210,7 +191,7 @@ def make_app(monitor: Monitor, metrics: Metrics | None = None) -> web.Applicatio
     app[_CLOSING] = asyncio.Event()
     app.on_shutdown.append(_closing)
     app.router.add_get("/", _index)
-    app.router.add_get("/static/plotly.min.js", _plotly_handler(_Plotly()))
+    app.router.add_get("/static/plotly.min.js", _plotly_js)
     app.router.add_get("/static/{name}", _static)
     app.router.add_get("/api/snapshot", _snapshot)
     app.router.add_get("/api/points", _points)

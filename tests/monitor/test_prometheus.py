@@ -98,8 +98,6 @@ def test_render(store: Store) -> None:
     state = MonitorState(RUN)
     pts = fold(state, upto=-1)  # all but the last step
     monitor.state = state
-    for p in pts:
-        exporter.listener(p)
     monitor.queues = [QueueDepth("trainer", 5, 2), QueueDepth("inference-run", 0, 1)]
 
     body, content_type = exporter.render()
@@ -151,7 +149,7 @@ def test_render(store: Store) -> None:
     assert set(got["jetrl_worker_heartbeat_age_seconds"]) == {(("kind", "inference"), ("worker", "w0"))}
     assert "jetrl_queue_pending_messages" not in got
 
-    # A step folded into the state without the listener (attached late) still shows.
+    # A step folded into the state later shows at the next render.
     monitor.state.apply(records()[-1])
     assert one(samples(exporter.render()[0]), "jetrl_step") == 9
 
@@ -170,12 +168,10 @@ def test_render_before_any_step(store: Store) -> None:
 async def test_serve(store: Store) -> None:
     monitor = Monitor(RUN, store=store)
     exporter = Exporter(monitor)
-    monitor.listeners.append(exporter.listener)
     state = MonitorState(RUN)
     monitor.state = state
     for r in records()[:-1]:
-        if (p := state.apply(r)) is not None:
-            exporter.listener(p)
+        state.apply(r)
 
     stop = asyncio.Event()
     task = asyncio.create_task(exporter.serve("127.0.0.1", 0, stop))
