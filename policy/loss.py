@@ -91,13 +91,16 @@ def mismatch_stats(
     inference_logprobs: torch.Tensor,
     mask: torch.Tensor,
     gap_threshold: float = 0.1,
+    *,
+    segments: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """Train/inference mismatch over the ``mask`` tokens (no gradient).
 
     ``mismatch_kl`` is the k3 estimate of KL(pi_inf || pi_train) from tokens sampled by
-    inference, ``mean((r - 1) - log r)``; ``mismatch_kl_max`` the largest such mean of one row
-    (one rollout); ``gap_frac`` the share of tokens whose probabilities differ by more than
-    ``gap_threshold``."""
+    inference, ``mean((r - 1) - log r)``; ``mismatch_kl_max`` the largest such mean of one
+    rollout: of one row, or with integer ``segments`` (same shape as ``mask``; a packed batch's
+    ``doc_ids``, rows holding several rollouts) of the tokens sharing a segment id;
+    ``gap_frac`` the share of tokens whose probabilities differ by more than ``gap_threshold``."""
     mask = mask.bool()
     n = int(mask.sum())
     if n == 0:
@@ -115,11 +118,23 @@ def mismatch_stats(
     lr = full[mask]
     ratio = lr.exp()
     gap = (logprobs.detach().double().exp() - inference_logprobs.detach().double().exp())[mask].abs()
-    k3_rows = torch.where(mask, full.exp() - 1 - full, torch.zeros_like(full)).sum(-1)
-    per_row = mask.sum(-1)
+    if segments is None:
+        k3_rows = torch.where(mask, full.exp() - 1 - full, torch.zeros_like(full)).sum(-1)
+        per_row = mask.sum(-1)
+        kl_max = float((k3_rows[per_row > 0] / per_row[per_row > 0]).max())
+    else:
+        if segments.shape != mask.shape:
+            raise ValueError(
+                f"segments {tuple(segments.shape)} must have the mask's shape {tuple(mask.shape)}"
+            )
+        _, seg = torch.unique(segments.to(mask.device)[mask], return_inverse=True)
+        n_seg = int(seg.max()) + 1
+        k3_seg = torch.zeros(n_seg, dtype=lr.dtype, device=lr.device).index_add_(0, seg, ratio - 1 - lr)
+        per_seg = torch.zeros(n_seg, dtype=lr.dtype, device=lr.device).index_add_(0, seg, torch.ones_like(lr))
+        kl_max = float((k3_seg / per_seg).max())
     return {
         "mismatch_kl": float((ratio - 1 - lr).mean()),
-        "mismatch_kl_max": float((k3_rows[per_row > 0] / per_row[per_row > 0]).max()),
+        "mismatch_kl_max": kl_max,
         "gap_frac": float((gap > gap_threshold).double().mean()),
         "ratio_mean": float(ratio.mean()),
         "ratio_std": float(ratio.std(correction=0)),
@@ -139,12 +154,16 @@ def rl_loss(
     ref_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     num_tokens: int | float | None = None,
+    segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The RL loss on ``[B, T]`` token tensors; ``advantages`` is ``[B]`` or ``[B, T]``.
+    """The RL loss on ``[B, T]`` token tensors; ``advantages`` is ``[B]`` (one rollout per row)
+    or ``[B, T]`` (per token: a packed batch, rows holding several rollouts). Only its values on
+    ``mask`` tokens matter: elsewhere the ratio is 1 and the token's term is dropped.
 
     ``mask`` marks loss tokens (completion tokens). ``num_tokens`` overrides the normaliser when
-    a batch is split into micro-batches (pass the whole batch's loss-token count). Returns the
-    scalar loss and float metrics."""
+    a batch is split into micro-batches (pass the whole batch's loss-token count). ``segments``:
+    which rollout each token belongs to, when rows hold several (see :func:`mismatch_stats`).
+    Returns the scalar loss and float metrics."""
     if logprobs.shape != inference_logprobs.shape or logprobs.shape != mask.shape:
         raise ValueError(
             f"logprobs {tuple(logprobs.shape)}, inference_logprobs {tuple(inference_logprobs.shape)} "
@@ -191,7 +210,7 @@ def rl_loss(
         loss = loss - cfg.entropy_coef * (entropy.to(logprobs.dtype) * keep_f).sum() / denom
 
     n_mask = int(mask.sum())
-    metrics = mismatch_stats(logprobs, inference_logprobs, mask, cfg.gap_threshold)
+    metrics = mismatch_stats(logprobs, inference_logprobs, mask, cfg.gap_threshold, segments=segments)
     metrics.update(
         loss=float(loss.detach()),
         pg_loss=float(pg_loss.detach()),

@@ -7,11 +7,15 @@ config: the experts, :class:`ExpertsInWeightDtype` (below), and the inner attent
 :class:`CachedSDPA`, a subclass of torchtitan's ``ScaledDotProductAttention``:
 
 * torchtitan 0.3.0 only offers flex/varlen for language models; flex has no backward on CPU and
-  varlen is CUDA-only. Our rollouts are one document per row (right-padded for training), so
-  plain causal SDPA is exact: right padding never influences earlier positions.
+  varlen is CUDA-only. An unpacked training batch holds one rollout per row, right-padded, so
+  plain causal SDPA is exact there: right padding never influences earlier positions.
 * For generation it also accepts a :class:`KVCache` through the model's ``attention_masks``
   argument, so each position is computed exactly once. That makes the routing trace well defined
   (a token's experts are chosen once, in the forward that produced the next token).
+* For a packed training batch (several rollouts per row, policy/packing.py) it accepts a
+  :class:`PackedMask` the same way: SDPA then attends causally within each rollout only. RoPE
+  positions need no help from us: torchtitan's ``Decoder.forward(tokens, positions, ...)``
+  hands per-token ``positions [B, L]`` to every layer's RoPE, which gathers its table there.
 
 torchtitan's ``GroupedExperts`` casts tokens and expert weights to bf16 for its grouped GEMMs
 whatever the model's dtype, so an fp32 trainer would compute its experts in bf16 (on CPUs
@@ -193,8 +197,27 @@ class KVCache:
         return k, v
 
 
+class PackedMask:
+    """Document ids of a packed batch's forward positions, handed to the model as
+    ``attention_masks``: position ``q`` may attend to ``k`` iff ``k <= q`` and both carry the
+    same id. Padding shares one id of its own, so it sees only padding (never an empty row, which
+    would turn into NaNs) and no real position sees it."""
+
+    def __init__(self, doc_ids: torch.Tensor) -> None:
+        if doc_ids.ndim != 2 or doc_ids.dtype.is_floating_point or doc_ids.dtype == torch.bool:
+            raise ValueError(
+                f"doc_ids must be an integer [B, L] tensor, got {doc_ids.dtype} {tuple(doc_ids.shape)}"
+            )
+        self.doc_ids = doc_ids
+        n = doc_ids.shape[1]
+        causal = torch.ones(n, n, dtype=torch.bool, device=doc_ids.device).tril()
+        # Built once per forward and shared by every layer: [B, 1, L, L], broadcast over heads.
+        self.mask = ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
+
+
 class CachedSDPA(ScaledDotProductAttention):  # type: ignore[misc]  # torchtitan ships no types
-    """torchtitan's causal SDPA for training; masked SDPA over a :class:`KVCache` for generation."""
+    """torchtitan's causal SDPA for training; masked SDPA over a :class:`KVCache` for generation
+    and within documents for a :class:`PackedMask` (packed training batches)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(ScaledDotProductAttention.Config):  # type: ignore[misc]  # torchtitan ships no types
@@ -217,8 +240,24 @@ class CachedSDPA(ScaledDotProductAttention):  # type: ignore[misc]  # torchtitan
                 q_BLNH, k_BLNH, v_BLNH, scale=scale, enable_gqa=enable_gqa, is_causal=is_causal
             )
             return causal
+        if isinstance(attention_masks, PackedMask):
+            mask = attention_masks.mask
+            if mask.shape[0] != q_BLNH.shape[0] or mask.shape[-1] != q_BLNH.shape[1]:
+                raise ValueError(
+                    f"PackedMask covers [B, L] = {tuple(attention_masks.doc_ids.shape)} but attention "
+                    f"sees {tuple(q_BLNH.shape[:2])}"
+                )
+            packed = F.scaled_dot_product_attention(
+                q_BLNH.transpose(1, 2),
+                k_BLNH.transpose(1, 2),
+                v_BLNH.transpose(1, 2),
+                attn_mask=mask.to(q_BLNH.device),
+                scale=scale,
+                enable_gqa=enable_gqa,
+            )
+            return packed.transpose(1, 2)
         if not isinstance(attention_masks, KVCache) or attention_masks.mask is None:
-            raise TypeError("CachedSDPA takes attention_masks=None or a KVCache after begin()")
+            raise TypeError("CachedSDPA takes attention_masks=None, a PackedMask or a KVCache after begin()")
         k_all, v_all = attention_masks.extend(self, k_BLNH, v_BLNH)
         out = F.scaled_dot_product_attention(
             q_BLNH.transpose(1, 2),

@@ -6,21 +6,27 @@ the forward reads ``input_ids[:, :-1]`` (``L - 1`` positions) and position ``i``
 ``input_ids[:, i + 1]``. Completion token ``j`` of a rollout with prompt length ``P`` is thus
 predicted at position ``P - 1 + j``; those positions form ``loss_mask``. The routing trace of a
 rollout has ``P + C - 1`` rows, one per forward position, so it lines up with no shifting.
+
+A packed batch (policy/packing.py, :func:`~jetrl.policy.packing.collate_packed`) holds several
+rollouts per row, each at an offset ``s``: the same rules hold with ``P - 1`` read as
+``s + P - 1``. It adds ``positions`` (RoPE positions, restarting at 0 per rollout) and
+``doc_ids`` (which rollout each forward position belongs to), and its advantages are per token.
 """
 
 from __future__ import annotations
 
 import os
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
 from torch import nn
 
 from jetrl.policy.loss import DEFAULT_LOSS, LossConfig, rl_loss
-from jetrl.policy.models import ModelConfig, model_config
+from jetrl.policy.models import ModelConfig, PackedMask, model_config
 from jetrl.policy.routing import TraceError, check_trace_for, pad_traces, replay_routing
 
 
@@ -43,30 +49,35 @@ class TrainBatch:
     input_ids: torch.Tensor  # [B, L] long
     loss_mask: torch.Tensor  # [B, L-1] bool
     inference_logprobs: torch.Tensor  # [B, L-1] float32, 0 off the mask
-    advantages: torch.Tensor  # [B] float32
+    advantages: torch.Tensor  # [B] float32; packed: [B, L-1], 0 on padding
     routing: torch.Tensor | None = None  # [B, L-1, moe_layers, top_k] long
+    # Packed batches only (both set or both None): per forward position, its RoPE position
+    # within its rollout and the rollout's index (-1 on padding), both [B, L-1] long.
+    positions: torch.Tensor | None = None
+    doc_ids: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
+    @property
+    def packed(self) -> bool:
+        if (self.positions is None) != (self.doc_ids is None):
+            raise ValueError("a packed TrainBatch needs both positions and doc_ids")
+        return self.doc_ids is not None
 
-def collate(rollouts: Sequence[Rollout], model_cfg: ModelConfig, *, pad_id: int = 0) -> TrainBatch:
-    """Pad rollouts into a batch, checking every length and trace against ``model_cfg``."""
+
+def check_rollouts(rollouts: Sequence[Rollout], model_cfg: ModelConfig) -> bool:
+    """Check every length, log-prob, mask and trace against ``model_cfg`` (token ids are checked
+    by the collating function). Returns whether the rollouts carry routing traces."""
     if not rollouts:
         raise ValueError("no rollouts to collate")
-    width = max(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
-    b = len(rollouts)
-    ids = torch.full((b, width), pad_id, dtype=torch.long)
-    mask = torch.zeros((b, width - 1), dtype=torch.bool)
-    inf_lp = torch.zeros((b, width - 1), dtype=torch.float32)
     with_trace = [r.routing is not None for r in rollouts]
     if any(with_trace) and not all(with_trace):
         raise TraceError(
             f"rollouts {[i for i, t in enumerate(with_trace) if not t]} lack routing traces "
             "while others have them; replay needs all or none"
         )
-    traces = []
     for i, r in enumerate(rollouts):
         p, c = len(r.prompt_ids), len(r.completion_ids)
         if p < 1 or c < 1:
@@ -76,23 +87,38 @@ def collate(rollouts: Sequence[Rollout], model_cfg: ModelConfig, *, pad_id: int 
                 f"rollout {i}: {c} completion tokens but inference_logprobs has shape "
                 f"{tuple(r.inference_logprobs.shape)}"
             )
-        ids[i, :p] = torch.as_tensor(list(r.prompt_ids), dtype=torch.long)
-        ids[i, p : p + c] = torch.as_tensor(list(r.completion_ids), dtype=torch.long)
-        if r.completion_mask is None:
-            mask[i, p - 1 : p - 1 + c] = True
-        else:
-            if len(r.completion_mask) != c:
-                raise ValueError(
-                    f"rollout {i}: completion_mask has {len(r.completion_mask)} entries for {c} tokens"
-                )
-            mask[i, p - 1 : p - 1 + c] = torch.as_tensor(list(r.completion_mask), dtype=torch.bool)
-        inf_lp[i, p - 1 : p - 1 + c] = r.inference_logprobs.float()
+        if r.completion_mask is not None and len(r.completion_mask) != c:
+            raise ValueError(
+                f"rollout {i}: completion_mask has {len(r.completion_mask)} entries for {c} tokens"
+            )
         if r.routing is not None:
             if not model_cfg.is_moe:
                 raise TraceError(f"rollout {i}: has a routing trace but {model_cfg.name} is dense")
             check_trace_for(
                 model_cfg, r.routing, p, c, what=f"rollout {i} ({p} prompt + {c} completion tokens) trace"
             )
+    return all(with_trace)
+
+
+def collate(rollouts: Sequence[Rollout], model_cfg: ModelConfig, *, pad_id: int = 0) -> TrainBatch:
+    """Pad rollouts into a batch, checking every length and trace against ``model_cfg``."""
+    check_rollouts(rollouts, model_cfg)
+    width = max(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
+    b = len(rollouts)
+    ids = torch.full((b, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((b, width - 1), dtype=torch.bool)
+    inf_lp = torch.zeros((b, width - 1), dtype=torch.float32)
+    traces = []
+    for i, r in enumerate(rollouts):
+        p, c = len(r.prompt_ids), len(r.completion_ids)
+        ids[i, :p] = torch.as_tensor(list(r.prompt_ids), dtype=torch.long)
+        ids[i, p : p + c] = torch.as_tensor(list(r.completion_ids), dtype=torch.long)
+        if r.completion_mask is None:
+            mask[i, p - 1 : p - 1 + c] = True
+        else:
+            mask[i, p - 1 : p - 1 + c] = torch.as_tensor(list(r.completion_mask), dtype=torch.bool)
+        inf_lp[i, p - 1 : p - 1 + c] = r.inference_logprobs.float()
+        if r.routing is not None:
             traces.append(r.routing)
     if int(ids.max()) >= model_cfg.vocab_size or int(ids.min()) < 0:
         raise ValueError(f"token ids must lie in [0, {model_cfg.vocab_size})")
@@ -121,6 +147,24 @@ def token_logprobs(
     return lp, ent
 
 
+def _packed_inputs(model: nn.Module, cfg: ModelConfig, batch: TrainBatch) -> dict[str, object]:
+    """The model's ``positions`` and ``attention_masks`` for a packed batch: jetrl's SDPA takes a
+    :class:`PackedMask`; torchtitan's flex/varlen build their document masks from the positions
+    (a document starts where its position is 0, which holds for every packed rollout)."""
+    assert batch.positions is not None and batch.doc_ids is not None
+    n = batch.input_ids.shape[1] - 1
+    if batch.positions.shape != (batch.input_ids.shape[0], n) or batch.doc_ids.shape != batch.positions.shape:
+        raise ValueError(
+            f"positions {tuple(batch.positions.shape)} and doc_ids {tuple(batch.doc_ids.shape)} must both "
+            f"be [B, L-1] = {(batch.input_ids.shape[0], n)}"
+        )
+    if cfg.attention == "sdpa":
+        masks: object = PackedMask(batch.doc_ids)
+    else:  # torchtitan's Decoder.get_attention_masks (untyped)
+        masks = cast(Callable[[torch.Tensor], object], model.get_attention_masks)(batch.positions)
+    return {"positions": batch.positions, "attention_masks": masks}
+
+
 def compute_logprobs(
     model: nn.Module,
     batch: TrainBatch,
@@ -136,13 +180,15 @@ def compute_logprobs(
     :func:`replay_routing`."""
     cfg = model_config(model)
     inputs, targets = batch.input_ids[:, :-1], batch.input_ids[:, 1:]
+    # An unpacked batch calls the model exactly as before (bit-identical steps).
+    packed = _packed_inputs(model, cfg, batch) if batch.packed else {}
     if replay and cfg.is_moe:
         if batch.routing is None:
             raise TraceError("replay=True but the batch carries no routing traces")
         with replay_routing(model, batch.routing, route_differs):
-            logits = model(inputs)
+            logits = model(inputs, **packed)
     else:
-        logits = model(inputs)
+        logits = model(inputs, **packed)
     return token_logprobs(logits, targets, temperature, with_entropy=with_entropy, entropy_grad=entropy_grad)
 
 
@@ -181,6 +227,7 @@ def forward_backward(
         loss_cfg,
         entropy=ent,
         num_tokens=num_tokens,
+        segments=batch.doc_ids,  # a packed row holds several rollouts: mismatch_kl_max per rollout
     )
     loss.backward()
     return metrics
