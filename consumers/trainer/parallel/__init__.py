@@ -1,0 +1,1 @@
+"""consumers/trainer/parallel"""
