@@ -30,6 +30,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from types import SimpleNamespace
 from typing import Any, Literal
 
 import torch
@@ -409,12 +410,17 @@ def build_model(
     seed: int | None = 0,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    parallelism: Any = None,
 ) -> Qwen3Model:
     """Build and initialise a model. ``seed`` makes the init reproducible without touching the
-    global RNG stream; ``seed=None`` draws from it."""
+    global RNG stream; ``seed=None`` draws from it. ``parallelism``: torchtitan's
+    ``ParallelismConfig`` of a parallel trainer, from which torchtitan fills each module's
+    sharding config (which its ``parallelize`` functions then apply); the weights are the same."""
     if isinstance(cfg, str):
         cfg = get_config(cfg)
     titan_cfg = to_titan_config(cfg)
+    if parallelism is not None:
+        titan_cfg.update_from_config(config=SimpleNamespace(parallelism=parallelism))
     with torch.random.fork_rng(devices=[]):
         if seed is not None:
             torch.manual_seed(seed)

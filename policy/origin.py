@@ -6,6 +6,8 @@ publishes as version 0 for the engines.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from jetrl.policy.models import ModelConfig, build_model, get_config
@@ -34,11 +36,12 @@ def check_model(model: ModelSettings) -> ModelConfig:
 
 
 def initial_model(
-    model: ModelSettings, *, seed: int | None = 0, dtype: torch.dtype = torch.float32
+    model: ModelSettings, *, seed: int | None = 0, dtype: torch.dtype = torch.float32, parallelism: Any = None
 ) -> Qwen3Model:
-    """The policy at version 0: a checkpoint's weights, or a seeded initialisation."""
+    """The policy at version 0: a checkpoint's weights, or a seeded initialisation.
+    ``parallelism``: see :func:`~jetrl.policy.models.build_model`."""
     cfg = model_config_of(model)
-    net = build_model(cfg, seed=seed, dtype=dtype)
+    net = build_model(cfg, seed=seed, dtype=dtype, parallelism=parallelism)
     if model.hf_path:
         from jetrl.policy.hf import load_state
         from jetrl.policy.weights import load_into

@@ -14,9 +14,11 @@ file layout, header order, metadata, storage sharing or the order tensors were i
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -77,22 +79,44 @@ def _raw_bytes(t: torch.Tensor) -> memoryview:
     return flat.view(torch.uint8).numpy().data if flat.numel() else memoryview(b"")
 
 
-def checksum(tensors: nn.Module | Tensors) -> str:
-    """Hex SHA-256 of the weights' content (see the module docstring for the definition)."""
-    sd = tensors.state_dict() if isinstance(tensors, nn.Module) else tensors
-    h = hashlib.sha256(CHECKSUM_SCHEME.encode() + b"\0")
-    for name in sorted(sd, key=lambda n: n.encode()):
-        t = sd[name]
+class Hasher:
+    """The checksum built tensor by tensor, for weights that never sit whole in one place (a
+    sharded trainer gathers one full tensor at a time). Tensors must come in canonical order."""
+
+    def __init__(self) -> None:
+        self._h = hashlib.sha256(CHECKSUM_SCHEME.encode() + b"\0")
+        self._last: bytes | None = None
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        nb = name.encode()
+        if self._last is not None and nb <= self._last:
+            raise ValueError(f"{name}: tensors must be added in canonical (sorted, distinct) order")
+        self._last = nb
         code = _DTYPE_CODES.get(t.dtype)
         if code is None:
             raise TypeError(f"{name}: dtype {t.dtype} has no checksum code")
         raw = _raw_bytes(t)
-        nb = name.encode()
+        h = self._h
         h.update(struct.pack("<I", len(nb)) + nb)
         h.update(struct.pack("<B", len(code)) + code.encode())
         h.update(struct.pack("<B", t.ndim) + b"".join(struct.pack("<Q", d) for d in t.shape))
         h.update(struct.pack("<Q", raw.nbytes))
         h.update(raw)
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+def canonical_order(names: Iterable[str]) -> list[str]:
+    return sorted(names, key=lambda n: n.encode())
+
+
+def checksum(tensors: nn.Module | Tensors) -> str:
+    """Hex SHA-256 of the weights' content (see the module docstring for the definition)."""
+    sd = tensors.state_dict() if isinstance(tensors, nn.Module) else tensors
+    h = Hasher()
+    for name in canonical_order(sd):
+        h.add(name, sd[name])
     return h.hexdigest()
 
 
@@ -175,8 +199,6 @@ def weights_from_bytes(
 
 def read_metadata(data: bytes) -> dict[str, str]:
     """The ``__metadata__`` of safetensors bytes, without loading the tensors."""
-    import json
-
     if len(data) < 8:
         raise ValueError("not safetensors data: shorter than its header length")
     (n,) = struct.unpack("<Q", data[:8])
@@ -208,3 +230,53 @@ def from_hf(hf_tensors: Tensors, model_cfg: Any) -> dict[str, torch.Tensor]:
     adapter = Qwen3StateDictAdapter(to_titan_config(model_cfg), None)
     titan: dict[str, torch.Tensor] = adapter.from_hf(dict(hf_tensors))
     return titan
+
+
+class SafetensorsBuffer:
+    """safetensors bytes laid out before their tensors exist, then filled one tensor at a time:
+    a sharded trainer gathers each full tensor into place, so the whole weights are held once
+    (here) rather than as gathered tensors and again as their serialisation. The checksum goes
+    into the metadata last; a placeholder of its length keeps the header's size fixed."""
+
+    def __init__(
+        self, specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]], metadata: Mapping[str, str]
+    ):
+        self._meta = dict(metadata)
+        header: dict[str, Any] = {}
+        self._spans: dict[str, tuple[int, int, torch.dtype, tuple[int, ...]]] = {}
+        offset = 0
+        for name, dtype, shape in specs:
+            code = _DTYPE_CODES.get(dtype)
+            if code is None:
+                raise TypeError(f"{name}: dtype {dtype} has no safetensors code")
+            n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + n]}
+            self._spans[name] = (offset, n, dtype, tuple(shape))
+            offset += n
+        self._header = header
+        self._head_len = len(self._header_bytes("0" * 64))
+        self.buf = bytearray(8 + self._head_len + offset)
+        self._filled: set[str] = set()
+
+    def _header_bytes(self, digest: str) -> bytes:
+        raw = json.dumps({**self._header, "__metadata__": _metadata(digest, self._meta)}).encode()
+        return raw + b" " * (-len(raw) % 8)  # safetensors pads its header to 8 bytes with spaces
+
+    def put(self, name: str, t: torch.Tensor) -> None:
+        start, n, dtype, shape = self._spans[name]
+        if t.dtype != dtype or tuple(t.shape) != shape:
+            raise ValueError(f"{name}: planned {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")
+        base = 8 + self._head_len + start
+        self.buf[base : base + n] = _raw_bytes(t)
+        self._filled.add(name)
+
+    def finish(self, digest: str) -> bytes:
+        if missing := set(self._spans) - self._filled:
+            raise ValueError(f"tensors never filled: {sorted(missing)[:5]}")
+        head = self._header_bytes(digest)
+        assert len(head) == self._head_len  # the digest replaced a placeholder of its length
+        self.buf[:8] = struct.pack("<Q", len(head))
+        self.buf[8 : 8 + len(head)] = head
+        data = bytes(self.buf)  # payload stores take bytes; the buffer goes right after
+        self.buf = bytearray()
+        return data

@@ -10,7 +10,9 @@ check every recorded checksum.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +27,8 @@ from jetrl.consumers.trainer.settings import TrainerPart
 from jetrl.policy.loss import group_advantages
 from jetrl.policy.train import Rollout
 
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 2  # 2: a directory (engine files + meta.json); 1 was one torch file
+META_FILE = "meta.json"
 
 
 @dataclass(frozen=True)
@@ -121,49 +124,75 @@ class TrainCore:
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, directory: Path, version: int, log_seq: int, keep: int = 3) -> Checkpoint:
-        """Weights and optimizer state at ``version``, written atomically (temp file, fsync,
-        rename): a crash mid-write leaves only a temp file, which is never resumed from."""
+        """Weights and optimizer state at ``version``: a directory the engine fills (one file,
+        or every rank's shards), then ``meta.json``, each fsynced, then renamed into place: a
+        crash mid-write leaves only a temp directory, which is never resumed from."""
         directory.mkdir(parents=True, exist_ok=True)
         digest = self.checksum()
         path = checkpoint_path(directory, version)
         tmp = directory / f".{path.name}.{os.getpid()}.tmp"
-        state = {
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        self.engine.save_state(tmp)
+        meta = {
             "format": CHECKPOINT_FORMAT,
             "version": version,
             "weights_checksum": digest,
             "log_seq": log_seq,
-            **self.engine.state_dict(),
+            "layout": self.engine.layout(),
         }
-        with tmp.open("wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
+        _write_synced(tmp / META_FILE, json.dumps(meta, indent=2).encode())
+        _fsync_dir(tmp)
+        if path.exists():  # the same version again (a recovered trainer re-took it)
+            shutil.rmtree(path)
         os.replace(tmp, path)
+        _fsync_dir(directory)
         for old in list_checkpoints(directory)[keep:]:
-            old.unlink(missing_ok=True)
+            shutil.rmtree(old, ignore_errors=True)
         return Checkpoint(version, digest, log_seq, path)
 
     def load_checkpoint(self, path: Path) -> Checkpoint:
-        state = torch.load(path, weights_only=True)
-        if state.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"{path}: unknown checkpoint format {state.get('format')!r}")
-        self.engine.load_state_dict(state)
-        digest = self.checksum()
-        if digest != state["weights_checksum"]:
+        meta = json.loads((path / META_FILE).read_text())
+        if meta.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"{path}: unknown checkpoint format {meta.get('format')!r}")
+        if meta.get("layout") != (want := self.engine.layout()):
             raise ValueError(
-                f"{path}: weights checksum {digest} does not match the recorded {state['weights_checksum']}"
+                f"{path}: written by a trainer laid out as {meta.get('layout')}, this one is {want}; "
+                "resume with the same [trainer.parallelism], or rebuild from the log"
             )
-        return Checkpoint(int(state["version"]), digest, int(state["log_seq"]), path)
+        self.engine.load_state(path)
+        digest = self.checksum()
+        if digest != meta["weights_checksum"]:
+            raise ValueError(
+                f"{path}: weights checksum {digest} does not match the recorded {meta['weights_checksum']}"
+            )
+        return Checkpoint(int(meta["version"]), digest, int(meta["log_seq"]), path)
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with path.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def checkpoint_path(directory: Path, version: int) -> Path:
-    return directory / f"ckpt-v{version:08d}.pt"
+    return directory / f"ckpt-v{version:08d}"
 
 
 def checkpoint_version(path: Path) -> int:
-    return int(path.stem.removeprefix("ckpt-v"))
+    return int(path.name.removeprefix("ckpt-v"))
 
 
 def list_checkpoints(directory: Path) -> list[Path]:
-    """Complete checkpoints, newest first (temp files of an interrupted write are ignored)."""
-    return sorted(directory.glob("ckpt-v*.pt"), reverse=True)
+    """Complete checkpoints, newest first (temp directories of an interrupted write, and the
+    single files of format 1, are ignored: the log rebuilds what they held)."""
+    return sorted((p for p in directory.glob("ckpt-v*") if (p / META_FILE).is_file()), reverse=True)

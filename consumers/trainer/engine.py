@@ -12,6 +12,7 @@ step's checksum). ``[trainer] engine`` names one: a built-in of :data:`ENGINES`,
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from jetrl.bus.runtime import load_plugin
@@ -22,7 +23,10 @@ if TYPE_CHECKING:
 
     from jetrl.policy.train import Rollout
 
-ENGINES = {"local": "jetrl.consumers.trainer.local_engine:LocalTrainEngine"}
+ENGINES = {
+    "local": "jetrl.consumers.trainer.local_engine:LocalTrainEngine",
+    "parallel": "jetrl.consumers.trainer.parallel.engine:ParallelTrainEngine",
+}
 
 
 class TrainEngine(Protocol):
@@ -53,14 +57,22 @@ class TrainEngine(Protocol):
         """Replace the weights (the optimizer state stays)."""
         ...
 
-    def state_dict(self) -> dict[str, Any]:
-        """Everything a checkpoint must hold to resume bit for bit (weights, optimizer)."""
+    def layout(self) -> dict[str, Any]:
+        """What a checkpoint of this engine can only be resumed by the same of (the world
+        size and how it is split); recorded with every checkpoint and step."""
         ...
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+    def save_state(self, directory: Path) -> None:
+        """Write everything needed to resume bit for bit (weights, optimizer) into the empty
+        ``directory``; the caller makes the checkpoint atomic and adds its metadata."""
+        ...
+
+    def load_state(self, directory: Path) -> None:
+        """Restore what :meth:`save_state` wrote."""
+        ...
 
 
 def make_train_engine(part: TrainerPart) -> TrainEngine:
-    factory = load_plugin(part.trainer.engine, ENGINES, "train engine")
+    factory = load_plugin(part.trainer.engine_name, ENGINES, "train engine")
     engine: TrainEngine = factory(part)
     return engine

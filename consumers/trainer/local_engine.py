@@ -4,7 +4,9 @@ bit-reproducible for a fixed thread count (policy/train.py)."""
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,6 +23,8 @@ from jetrl.policy.train import (
     train_step,
 )
 from jetrl.policy.weights import checksum, load_into, weights_to_bytes
+
+STATE_FILE = "state.pt"  # weights and optimizer, one file
 
 
 class LocalTrainEngine:
@@ -72,6 +76,18 @@ class LocalTrainEngine:
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
         load_into(self.model, tensors)
+
+    def layout(self) -> dict[str, Any]:
+        return {"engine": "local", "world_size": 1}
+
+    def save_state(self, directory: Path) -> None:
+        with (directory / STATE_FILE).open("wb") as f:
+            torch.save(self.state_dict(), f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def load_state(self, directory: Path) -> None:
+        self.load_state_dict(torch.load(directory / STATE_FILE, weights_only=True))
 
     def state_dict(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}

@@ -5,14 +5,52 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from jetrl.bus.settings import EnvRoute, Section, TenantSettings
 from jetrl.policy.settings import ModelSettings
 
 
+class ParallelismSettings(Section):
+    """How the trainer's ranks split the work (torchtitan's parallelisms). The world size is
+    ``dp_replicate * dp_shard * cp * tp``; expert parallelism borrows its ranks from
+    ``dp_shard * cp * tp`` (as in torchtitan), so ``ep`` must divide that product."""
+
+    dp_shard: int = Field(1, ge=1)  # FSDP2: parameters, gradients and optimizer state sharded
+    dp_replicate: int = Field(1, ge=1)  # replicas of the sharded model (HSDP)
+    ep: int = Field(1, ge=1)  # experts of each MoE layer split across ranks, tokens all-to-all
+    cp: int = Field(1, ge=1)  # the sequence split across ranks (GPU only: no CPU backward)
+    tp: int = Field(1, ge=1)  # tensor parallelism
+    device: Literal["cpu", "cuda"] = "cpu"
+    # The MoE all-to-all: DeepEP where installed on Hopper GPUs, torch's all_to_all otherwise.
+    all_to_all: Literal["auto", "torch", "deepep"] = "auto"
+    # How long a rank waits in a collective (the others idle between steps while the trainer
+    # waits for rollouts); a dead rank is noticed at once by the launcher, not by this.
+    collective_timeout_s: float = Field(86_400.0, gt=0)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Ranks that take different rollouts of a step."""
+        return self.dp_replicate * self.dp_shard
+
+    @model_validator(mode="after")
+    def _check(self) -> ParallelismSettings:
+        if (self.dp_shard * self.cp * self.tp) % self.ep:
+            raise ValueError(
+                f"ep = {self.ep} must divide dp_shard * cp * tp = {self.dp_shard * self.cp * self.tp}"
+            )
+        return self
+
+
 class TrainerSettings(Section):
-    engine: str = "local"  # a name of consumers.trainer.engine.ENGINES, or "module:attr"
+    # A name of consumers.trainer.engine.ENGINES, or "module:attr"; "auto": "local" for one
+    # rank, "parallel" when [trainer.parallelism] asks for more.
+    engine: str = "auto"
+    parallelism: ParallelismSettings = ParallelismSettings()
     lr: float = 5e-4
     weight_decay: float = 0.0
     batch_groups: int = Field(8, ge=1)  # groups per optimizer step
@@ -34,6 +72,12 @@ class TrainerSettings(Section):
     # Each step's per-token trainer log-probs and routing differences, published with its
     # StepCompleted (8 bytes a completion token) for the monitor's rollout inspector.
     record_token_stats: bool = True
+
+    @property
+    def engine_name(self) -> str:
+        if self.engine != "auto":
+            return self.engine
+        return "local" if self.parallelism.world_size == 1 else "parallel"
 
 
 class TrainerPart(Section):

@@ -57,7 +57,7 @@ async def test_replay_verifies_every_step_and_names_a_divergence(
         == 0
     )
     # From the checkpoint at version 3 (weights and optimizer state) to the end.
-    assert (run_dir / "trainer" / "ckpt-v00000003.pt").exists()
+    assert (run_dir / "trainer" / "ckpt-v00000003" / "meta.json").exists()
     assert (
         await replay(nats_server.url, run_id, run_dir, from_step=3, to_step=None, verify=True, quiet=True)
         == 0

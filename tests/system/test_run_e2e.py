@@ -134,7 +134,7 @@ async def test_short_async_run_keeps_the_invariants(nats_server: EmbeddedServer,
     run_dir = tmp_path / run_id
     assert (run_dir / "reward.png").stat().st_size > 1000
     assert (run_dir / "summary.json").exists()
-    assert list((run_dir / "trainer").glob("ckpt-v*.pt")), "no checkpoint written"
+    assert list((run_dir / "trainer").glob("ckpt-v*/meta.json")), "no checkpoint written"
 
 
 async def test_multi_turn_episodes_train_as_one_masked_rollout(

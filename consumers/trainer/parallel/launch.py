@@ -1,0 +1,77 @@
+"""Run a jetrl program as rank 0 of the trainer's ranks, the other ranks serving it.
+
+    torchrun --nproc-per-node N -m jetrl.consumers.trainer.parallel.launch MODULE [ARGS...]
+    python -m jetrl.consumers.trainer.parallel.launch --serve      # a rank rank 0 started
+
+Under torchrun, rank 0 runs ``MODULE`` as ``__main__`` (the trainer part, ``jetrl replay``)
+and every other rank serves it; a rank that rank 0 started itself (group.py) serves too, and
+exits when rank 0's process is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import threading
+import time
+
+from jetrl.bus.log import configure
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A rank started by rank 0 must not outlive it (a collective waiting on a dead rank 0
+    may not notice for a long time)."""
+
+    def watch() -> None:
+        while True:
+            try:
+                os.kill(parent, 0)
+            except ProcessLookupError:
+                os._exit(3)
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
+def _serve() -> int:
+    from jetrl.consumers.trainer.parallel import group as g
+    from jetrl.consumers.trainer.parallel.engine import serve
+
+    if parent := os.environ.get("JETRL_PARENT_PID"):
+        _exit_with_parent(int(parent))
+    group = g.join(None)  # the layout comes from rank 0
+    try:
+        serve(group)
+    finally:
+        g.leave()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    configure(level=os.environ.get("JETRL_LOG_LEVEL", "info"))
+    if args[:1] == ["--serve"] or int(os.environ.get("RANK", "0")) != 0:
+        return _serve()
+    if not args:
+        print(__doc__, file=sys.stderr)
+        return 2
+    from jetrl.consumers.trainer.parallel import group as g
+
+    module, rest = args[0], args[1:]
+    sys.argv = [module, *rest]
+    code = 0
+    try:
+        if module.endswith(".py"):
+            runpy.run_path(module, run_name="__main__")
+        else:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        g.leave()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

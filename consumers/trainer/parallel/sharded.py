@@ -1,0 +1,290 @@
+"""One rank's share of the policy: jetrl's torchtitan model, parallelised by torchtitan's own
+``parallelize_qwen3`` (FSDP2 ``fully_shard``, expert parallelism through its all-to-all token
+dispatcher), its AdamW, and the collective operations every rank runs together.
+
+Every method is collective: all ranks call it in the same order; inputs and results live on
+rank 0 (``None`` elsewhere). Why the maths equals the single-process step's:
+
+* Each data-parallel rank takes whole rollouts (split.py); its loss is its tokens' sum divided
+  by the step's total token count, and FSDP2 sums gradients instead of averaging them
+  (``set_force_sum_reduction_for_comms``; gloo also has no PREMUL_SUM, FSDP2's averaging
+  reduce), so the summed gradient is the whole batch's, as one process computes it.
+* Router Replay hooks the routers (policy/routing.py) before torchtitan's dispatcher runs, so
+  the replayed expert ids are what the all-to-all sends tokens by, to the rank owning them.
+* Equal up to float rounding, not bit for bit: rank batches are narrower than the whole batch
+  (other matmul shapes) and gradients are summed in another order. For a fixed layout every
+  run is bit-identical again (gloo's and FSDP2's reduction order is fixed), which is what
+  replay checks; a checkpoint therefore records the layout.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from jetrl.consumers.trainer.parallel.group import RankGroup
+from jetrl.consumers.trainer.parallel.split import split_by_tokens
+from jetrl.consumers.trainer.settings import TrainerPart
+from jetrl.policy.loss import LossConfig
+from jetrl.policy.models import to_titan_config
+from jetrl.policy.origin import initial_model, model_config_of
+from jetrl.policy.titan import Qwen3StateDictAdapter
+from jetrl.policy.titan_dist import (
+    SPMD_BACKEND,
+    CompileConfig,
+    ParallelismConfig,
+    TrainingConfig,
+    clip_grad_norm_,
+    parallelize_qwen3,
+)
+from jetrl.policy.train import (
+    Rollout,
+    collate,
+    compute_logprobs,
+    forward_backward,
+    make_optimizer,
+    set_deterministic,
+)
+from jetrl.policy.weights import META_LAYOUT, Hasher, SafetensorsBuffer, canonical_order
+
+# Gathering an expert weight sharded over ep and efsdp takes two all-gathers, and torch warns
+# about it at every checksum; the order is fixed, so the result is the same every time.
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+# How train_step (policy/train.py) combines micro-batch metrics; ranks are combined alike.
+_SUMMED = ("loss", "pg_loss", "kl", "num_tokens")  # already divided by the step's total
+_MIN = ("ratio_min",)
+_MAX = ("ratio_max", "mismatch_kl_max")
+
+
+def completion_tokens(r: Rollout) -> int:
+    return sum(bool(x) for x in r.completion_mask) if r.completion_mask is not None else len(r.completion_ids)
+
+
+class ShardedPolicy:
+    def __init__(self, part: TrainerPart, group: RankGroup) -> None:
+        s = self.s = part.trainer
+        self.group = group
+        self.temperature = part.temperature
+        set_deterministic(part.seed, num_threads=s.threads)
+        self.mcfg = model_config_of(part.model)
+        par = s.parallelism
+        if par.cp > 1:
+            raise ValueError(
+                "context parallel training is not available: on CPU torch has no CP backward "
+                "(consumers/trainer/parallel/context.py checks its forward); set cp = 1"
+            )
+        if self.mcfg.is_moe and self.mcfg.num_experts % par.ep:
+            raise ValueError(f"ep = {par.ep} must divide the model's {self.mcfg.num_experts} experts")
+        titan_par = ParallelismConfig(
+            data_parallel_replicate_degree=par.dp_replicate,
+            data_parallel_shard_degree=par.dp_shard,
+            tensor_parallel_degree=par.tp,
+            context_parallel_degree=par.cp,
+            expert_parallel_degree=par.ep,
+            spmd_backend=SPMD_BACKEND,
+        )
+        # Every rank builds the same full model from the seed, then keeps its shards.
+        model = initial_model(part.model, seed=part.seed, parallelism=titan_par).to(group.device)
+        parallelize_qwen3(
+            model,
+            parallel_dims=group.dims,
+            training=TrainingConfig(mixed_precision_param="float32", mixed_precision_reduce="float32"),
+            parallelism=titan_par,
+            compile_config=CompileConfig(enable=False),
+            ac_config=None,
+            dump_folder="",
+        )
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_force_sum_reduction_for_comms(True)
+        self.model = model
+        self.optimizer = make_optimizer(model, lr=s.lr, weight_decay=s.weight_decay)
+        self.loss_cfg = LossConfig(kl_coef=s.kl_coef, entropy_coef=s.entropy_coef)
+        self.replay = s.replay and self.mcfg.is_moe
+        self.last_token_stats: list[torch.Tensor] | None = None
+        # Names and per-expert tensors of Hugging Face's layout, one tensor at a time (a meta
+        # tensor too, to lay out the bytes before gathering).
+        self._to_hf = Qwen3StateDictAdapter(to_titan_config(self.mcfg), None).to_hf
+
+    # ------------------------------------------------------------------ rollouts over ranks
+
+    def _padding(self) -> Rollout:
+        """What a rank without rollouts trains on (FSDP and the all-to-all need every rank in
+        every forward and backward): one token, masked out, so it adds nothing."""
+        trace = None
+        if self.replay:
+            trace = torch.arange(self.mcfg.top_k).expand(1, self.mcfg.num_moe_layers, -1).clone()
+        return Rollout([0], [0], torch.zeros(1), 0.0, routing=trace, completion_mask=[False])
+
+    def _share(self, rollouts: Sequence[Rollout] | None) -> tuple[list[Rollout], list[int], int]:
+        """This rank's rollouts, their indices in the step, and the step's loss-token total."""
+        g = self.group
+        per_rank = None
+        if g.rank == 0:
+            assert rollouts is not None
+            shares = split_by_tokens([len(r.prompt_ids) + len(r.completion_ids) for r in rollouts], g.par.dp)
+            total = max(sum(completion_tokens(r) for r in rollouts), 1)
+            per_rank = []
+            for r in range(g.world):
+                idx = shares[r // (g.par.cp * g.par.tp)]
+                per_rank.append(([rollouts[i] for i in idx], idx, total))
+        mine: tuple[list[Rollout], list[int], int] = g.scatter(per_rank)
+        return mine
+
+    def _batch(self, local: list[Rollout]) -> Any:
+        batch = collate(local or [self._padding()], self.mcfg)
+        for name in ("input_ids", "loss_mask", "inference_logprobs", "advantages", "routing"):
+            t = getattr(batch, name, None)
+            if isinstance(t, torch.Tensor):
+                setattr(batch, name, t.to(self.group.device))
+        return batch
+
+    # ------------------------------------------------------------------ collective operations
+
+    def step(self, rollouts: Sequence[Rollout] | None) -> dict[str, float] | None:
+        local, idx, total = self._share(rollouts)
+        batch = self._batch(local)
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        stats: list[torch.Tensor] | None = [] if self.s.record_token_stats else None
+        m = forward_backward(
+            self.model,
+            batch,
+            self.loss_cfg,
+            temperature=self.temperature,
+            replay=self.replay,
+            num_tokens=total,
+            token_stats=stats,
+        )
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.s.max_grad_norm if self.s.max_grad_norm else math.inf
+        norm = clip_grad_norm_(params, max_norm, ep_enabled=self.group.dims.ep_enabled)
+        self.optimizer.step()
+        rows = stats[0].cpu() if stats else None
+        mine = []
+        for k, (i, r) in enumerate(zip(idx, local, strict=True)):
+            p, c = len(r.prompt_ids), len(r.completion_ids)
+            mine.append((i, None if rows is None else rows[k, p - 1 : p - 1 + c].clone()))
+        report = (m, batch.num_tokens, mine) if self.group.reports and local else None
+        got = self.group.gather(report)
+        if got is None:
+            return None
+        metrics: dict[str, float] = {}
+        by_index: dict[int, torch.Tensor | None] = {}
+        for rep in got:
+            if rep is None:
+                continue
+            rm, n, slices = rep
+            w = n / total
+            for k, v in rm.items():
+                if k in _SUMMED:
+                    metrics[k] = metrics.get(k, 0.0) + v
+                elif k in _MIN:
+                    metrics[k] = min(metrics.get(k, v), v)
+                elif k in _MAX:
+                    metrics[k] = max(metrics.get(k, v), v)
+                else:
+                    metrics[k] = metrics.get(k, 0.0) + w * v
+            by_index.update(slices)
+        metrics["grad_norm"] = float(norm)
+        assert rollouts is not None
+        kept = [by_index[i] for i in range(len(rollouts))]
+        self.last_token_stats = None if any(t is None for t in kept) else [t for t in kept if t is not None]
+        return metrics
+
+    def logprobs(self, rollouts: Sequence[Rollout] | None) -> list[torch.Tensor] | None:
+        local, idx, _ = self._share(rollouts)
+        batch = self._batch(local)
+        with torch.no_grad():
+            lp, _ = compute_logprobs(self.model, batch, temperature=self.temperature, replay=self.replay)
+        lp = lp.cpu()
+        mask = batch.loss_mask.cpu()
+        mine = [(i, lp[k][mask[k]]) for k, i in enumerate(idx)]
+        got = self.group.gather(mine if self.group.reports else None)
+        if got is None:
+            return None
+        out = dict(pair for rep in got if rep for pair in rep)
+        assert rollouts is not None
+        return [out[i] for i in range(len(rollouts))]
+
+    def _full_tensors(self) -> Any:
+        """``(name, full tensor on rank 0 / None elsewhere)`` in canonical order, gathered one at
+        a time (a DTensor's ``full_tensor`` is an all-gather every rank joins)."""
+        sd = self.model.state_dict()
+        for name in canonical_order(sd):
+            t = sd[name]
+            full = t.full_tensor() if isinstance(t, DTensor) else t
+            yield name, (full.detach().cpu() if self.group.rank == 0 else None)
+            del full
+
+    def checksum(self, _: object = None) -> str | None:
+        h = Hasher() if self.group.rank == 0 else None
+        for name, t in self._full_tensors():
+            if h is not None and t is not None:
+                h.add(name, t)
+        return None if h is None else h.hexdigest()
+
+    def export_weights(self, metadata: Mapping[str, str] | None) -> tuple[bytes, str] | None:
+        """The safetensors bytes of the full weights (Hugging Face layout when the run asks for
+        it), gathered tensor by tensor into one buffer on rank 0, and their checksum."""
+        hf = self.s.weights_layout == "hf"
+        sd = self.model.state_dict()
+        buf = h = None
+        if self.group.rank == 0:
+            specs = []
+            for name in canonical_order(sd):
+                meta = torch.empty(tuple(sd[name].shape), dtype=sd[name].dtype, device="meta")
+                for out_name, out in (self._to_hf({name: meta}) if hf else {name: meta}).items():
+                    specs.append((out_name, out.dtype, tuple(out.shape)))
+            meta_out = {**(metadata or {}), **({META_LAYOUT: "hf"} if hf else {})}
+            buf, h = SafetensorsBuffer(specs, meta_out), Hasher()
+        for name, t in self._full_tensors():
+            if buf is not None and h is not None and t is not None:
+                h.add(name, t)
+                for out_name, out in (self._to_hf({name: t}) if hf else {name: t}).items():
+                    buf.put(out_name, out.contiguous())
+        if buf is None or h is None:
+            return None
+        digest = h.hexdigest()
+        return buf.finish(digest), digest
+
+    def load_weights(self, tensors: Mapping[str, torch.Tensor] | None) -> None:
+        """Full tensors on rank 0 become every rank's shards (broadcast, then sliced)."""
+        full: dict[str, Any] = dict(tensors) if tensors is not None else {}
+        set_model_state_dict(
+            self.model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        )
+
+    def _state(self) -> dict[str, Any]:
+        """What a checkpoint holds, keyed by names: the model's state dict (its DTensor
+        shards) and AdamW's state per parameter name. torch's ``get_state_dict`` cannot be
+        used: it walks modules by state-dict key, and torchtitan's fused QKV projection
+        publishes ``wq``/``wk``/``wv`` keys that are not modules' attributes."""
+        optim: dict[str, Any] = {}
+        for name, p in self.model.named_parameters():
+            st = self.optimizer.state[p]
+            if not st:  # never stepped: AdamW's own starting state, so it can be filled in place
+                st.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+            optim[name] = st
+        return {"model": self.model.state_dict(), "optimizer": optim}
+
+    def save_state(self, directory: str) -> None:
+        """Every rank writes its own shards (torch.distributed.checkpoint)."""
+        dcp_save(self._state(), checkpoint_id=directory)
+
+    def load_state(self, directory: str) -> None:
+        state = self._state()
+        dcp_load(state, checkpoint_id=directory)  # in place, each rank its own shards
+        # The optimizer's tensors were filled in place; the model's state dict may hold views
+        # of fused weights, so it goes back through the model's own loading.
+        self.model.load_state_dict(state["model"])
