@@ -62,7 +62,10 @@ async def replay(
         await replayer.start_at(from_step, run_dir / "trainer" if from_step else None)
         needed = {rid for s in range(from_step, last + 1) for rid in log.steps[s][0].rollout_ids}
         rollouts, _ = await read_rollouts(bus, run_id, needed, trained_seqs(log, from_step))
-        say(f"replaying run {run_id}: steps {from_step}..{last} ({len(needed)} rollouts), {part.model.name}")
+        ranks = part.trainer.parallelism.world_size
+        on = f", {ranks} ranks as recorded" if ranks > 1 else ""
+        what = f"steps {from_step}..{last} ({len(needed)} rollouts), {part.model.name}{on}"
+        say(f"replaying run {run_id}: {what}")
         t0 = time.perf_counter()
         shown = [time.monotonic()]
 

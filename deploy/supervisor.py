@@ -35,6 +35,7 @@ from jetrl.bus.server import EmbeddedServer
 from jetrl.bus.streams import ensure_tenant_view, run_usage
 from jetrl.consumers.monitor.settings import MonitorPart
 from jetrl.consumers.recorder.settings import RecorderPart
+from jetrl.consumers.trainer.settings import TrainerSettings
 from jetrl.consumers.trainer.withholding import close_out
 from jetrl.deploy.config import RunConfig, library_versions
 from jetrl.deploy.report import RunReport
@@ -164,18 +165,13 @@ class Supervisor:
             )
             for i in range(self.cfg.inference.workers)
         ]
-        parts.append(
-            Part(
-                "trainer",
-                argv(
-                    "jetrl.consumers.trainer",
-                    "trainer",
-                    *("--run-dir", str(self.run_dir)),
-                    *("--settings", self._settings_file("trainer", self.cfg.trainer_part(self.run_dir))),
-                ),
-                threads=self.cfg.trainer.threads,
-            )
+        trainer = argv(
+            "jetrl.consumers.trainer",
+            "trainer",
+            *("--run-dir", str(self.run_dir)),
+            *("--settings", self._settings_file("trainer", self.cfg.trainer_part(self.run_dir))),
         )
+        parts.append(Part("trainer", torchrun(trainer, self.cfg.trainer), threads=self.cfg.trainer.threads))
         if self.cfg.store.recorder:
             rec = self._settings_file("recorder", RecorderPart(db=self.db_url))
             parts.append(Part("recorder", argv("jetrl.consumers.recorder", "recorder", "--settings", rec)))
@@ -309,7 +305,9 @@ class Supervisor:
                 p.proc.wait(max(0.1, deadline - time.monotonic()))  # type: ignore[union-attr]  # chosen: parts with a process
             except subprocess.TimeoutExpired:
                 self.log.warning("part_killed", part=p.name)
-                p.proc.kill()  # type: ignore[union-attr]  # chosen: parts with a process
+                # The whole session: a trainer's torchrun and every rank it started.
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.proc.pid, signal.SIGKILL)  # type: ignore[union-attr]  # chosen: parts with a process
                 p.proc.wait()  # type: ignore[union-attr]  # chosen: parts with a process
 
     # ------------------------------------------------------------------ progress
@@ -491,3 +489,21 @@ class Supervisor:
         self.say("\nsummary")
         for k, v in summary.items():
             self.say(f"  {k:<18} {v}")
+
+
+def torchrun(argv: list[str], trainer: TrainerSettings) -> list[str]:
+    """The trainer's command: as it is for one rank; for more, under torchrun on this machine,
+    rank 0 running it and the others serving rank 0 (consumers/trainer/parallel/launch.py).
+    torchrun restarts nothing (``--max-restarts 0``): a rank that dies ends the group, and the
+    supervisor restarts the trainer as it restarts any part, which then rebuilds from its
+    newest checkpoint and the log."""
+    world = trainer.parallelism.world_size
+    if world == 1:
+        return argv
+    python, _, module, *rest = argv
+    return [
+        *(python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)),
+        *("--max-restarts", "0", "--monitor-interval", "0.5"),
+        # "--": torchrun's parser would take the part's --run for an abbreviation of its --run-path.
+        *("-m", "jetrl.consumers.trainer.parallel.launch", "--", module, *rest),
+    ]

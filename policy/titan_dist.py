@@ -9,6 +9,10 @@ trainer sets a process-wide SPMD backend; :func:`configure` does both for jetrl'
 
 from __future__ import annotations
 
+# isort: off
+import jetrl.policy.titan  # noqa: F401  # the kernel stand-in must be in place first
+# isort: on
+
 from torchtitan.config import (
     CompileConfig,
     ParallelismConfig,
@@ -18,8 +22,6 @@ from torchtitan.distributed import parallel_dims as _parallel_dims
 from torchtitan.distributed import utils as _dist_utils
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.qwen3.parallelize import parallelize_qwen3
-
-import jetrl.policy.titan  # noqa: F401  # the kernel stand-in must be in place first
 
 clip_grad_norm_ = _dist_utils.clip_grad_norm_
 

@@ -27,10 +27,17 @@ MAX_OFF = 1
 STEPS = 6
 
 
-async def test_short_async_run_keeps_the_invariants(nats_server: EmbeddedServer, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "ranks",
+    [1, 2],  # 2: the trainer is 2 ranks under torchrun, FSDP2 (tests/system/test_run_parallel.py)
+)
+async def test_short_async_run_keeps_the_invariants(
+    ranks: int, nats_server: EmbeddedServer, tmp_path: Path
+) -> None:
     cfg = load_config(
         None,
         [
+            *("--trainer.parallelism.dp_shard", str(ranks)),
             "--trainer.max_steps",
             str(STEPS),
             "--trainer.batch_groups",
@@ -53,7 +60,7 @@ async def test_short_async_run_keeps_the_invariants(nats_server: EmbeddedServer,
             "0.5",
         ],
     )
-    run_id = "e2e1"
+    run_id = f"e2e{ranks}"
     sup = Supervisor(cfg, run_id, tmp_path / run_id, nats_url=nats_server.url, quiet=True)
     assert await sup.run() == 0
 

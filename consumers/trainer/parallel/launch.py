@@ -1,6 +1,6 @@
 """Run a jetrl program as rank 0 of the trainer's ranks, the other ranks serving it.
 
-    torchrun --nproc-per-node N -m jetrl.consumers.trainer.parallel.launch MODULE [ARGS...]
+    torchrun --nproc-per-node N -m jetrl.consumers.trainer.parallel.launch -- MODULE [ARGS...]
     python -m jetrl.consumers.trainer.parallel.launch --serve      # a rank rank 0 started
 
 Under torchrun, rank 0 runs ``MODULE`` as ``__main__`` (the trainer part, ``jetrl replay``)
@@ -50,6 +50,8 @@ def _serve() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["--"]:  # torchrun drops it; a launcher that passes it on
+        args = args[1:]
     configure(level=os.environ.get("JETRL_LOG_LEVEL", "info"))
     if args[:1] == ["--serve"] or int(os.environ.get("RANK", "0")) != 0:
         return _serve()

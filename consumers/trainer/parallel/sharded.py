@@ -25,11 +25,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from jetrl.consumers.trainer.parallel.group import RankGroup
 from jetrl.consumers.trainer.parallel.split import split_by_tokens
@@ -259,11 +259,38 @@ class ShardedPolicy:
         return buf.finish(digest), digest
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor] | None) -> None:
-        """Full tensors on rank 0 become every rank's shards (broadcast, then sliced)."""
-        full: dict[str, Any] = dict(tensors) if tensors is not None else {}
-        set_model_state_dict(
-            self.model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        )
+        """Full tensors on rank 0 become every rank's shards: each broadcast, then cut to the
+        placement of the parameter it replaces. (torch's ``set_model_state_dict`` cannot be
+        used, for the reason given at :meth:`_state`.)"""
+        g = self.group
+        sd = self.model.state_dict()
+        problem = None
+        if g.rank == 0:
+            assert tensors is not None
+            missing, extra = set(sd) - set(tensors), set(tensors) - set(sd)
+            if missing or extra:
+                problem = (
+                    f"weights do not fit the model: missing {sorted(missing)[:5]}, "
+                    f"unexpected {sorted(extra)[:5]}"
+                )
+        if problem := g.broadcast(problem):  # every rank refuses, none is left waiting
+            raise ValueError(problem)
+        new: dict[str, Any] = {}
+        for name in canonical_order(sd):
+            t = sd[name]
+            full = (
+                tensors[name].detach().to("cpu", t.dtype).contiguous()
+                if tensors is not None and g.rank == 0
+                else torch.empty(tuple(t.shape), dtype=t.dtype)
+            )
+            dist.broadcast(full, src=0, group=g.control)
+            full = full.to(g.device)
+            new[name] = (
+                distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None)
+                if isinstance(t, DTensor)
+                else full
+            )
+        self.model.load_state_dict(new)
 
     def _state(self) -> dict[str, Any]:
         """What a checkpoint holds, keyed by names: the model's state dict (its DTensor
