@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from jetrl.policy.models import ModelConfig
-from jetrl.policy.train import Rollout, TrainBatch, check_rollouts
+from jetrl.policy.train import Rollout, TrainBatch, check_rollouts, collate
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,3 +199,24 @@ def collate_packed(
         )
     batch = TrainBatch(ids, mask, inf_lp, adv, routing, positions=positions, doc_ids=doc_ids)
     return batch, layout
+
+
+def padded_layout(rollouts: Sequence[Rollout]) -> PackedLayout:
+    """The layout of :func:`~jetrl.policy.train.collate`'s batch: rollout ``i`` alone in row
+    ``i``, from position 0."""
+    placements = tuple(
+        Placement(i, 0, len(r.prompt_ids), len(r.completion_ids)) for i, r in enumerate(rollouts)
+    )
+    return PackedLayout(
+        placements, tuple((i,) for i in range(len(rollouts))), max(p.length for p in placements)
+    )
+
+
+def collate_for(
+    rollouts: Sequence[Rollout], model_cfg: ModelConfig, pack_tokens: int = 0
+) -> tuple[TrainBatch, PackedLayout]:
+    """The engines' one way in: rows of up to ``pack_tokens`` tokens holding several rollouts,
+    or (0) one rollout per right-padded row, bit for bit the batch trained before packing."""
+    if pack_tokens:
+        return collate_packed(rollouts, model_cfg, pack_tokens)
+    return collate(rollouts, model_cfg), padded_layout(rollouts)

@@ -14,9 +14,9 @@ import torch
 from jetrl.consumers.trainer.settings import TrainerPart
 from jetrl.policy.loss import LossConfig
 from jetrl.policy.origin import initial_model, model_config_of
+from jetrl.policy.packing import collate_for
 from jetrl.policy.train import (
     Rollout,
-    collate,
     compute_logprobs,
     make_optimizer,
     set_deterministic,
@@ -40,28 +40,25 @@ class LocalTrainEngine:
         self.last_token_stats: list[torch.Tensor] | None = None
 
     def logprobs(self, rollouts: Sequence[Rollout]) -> list[torch.Tensor]:
-        batch = collate(rollouts, self.mcfg)
+        batch, layout = collate_for(rollouts, self.mcfg, self.s.pack_tokens)
         with torch.no_grad():
             lp, _ = compute_logprobs(self.model, batch, temperature=self.temperature, replay=self.replay)
-        return [lp[i][batch.loss_mask[i]] for i in range(len(rollouts))]
+        return layout.per_rollout(lp, batch.loss_mask)
 
     def step(self, rollouts: Sequence[Rollout]) -> dict[str, float]:
         stats: list[torch.Tensor] = []
+        batch, layout = collate_for(rollouts, self.mcfg, self.s.pack_tokens)
         metrics = train_step(
             self.model,
             self.optimizer,
-            collate(rollouts, self.mcfg),
+            batch,
             self.loss_cfg,
             replay=self.replay,
             max_grad_norm=self.s.max_grad_norm,
             temperature=self.temperature,
             token_stats=stats,
         )
-        rows = stats[0]
-        self.last_token_stats = [
-            rows[i, len(r.prompt_ids) - 1 : len(r.prompt_ids) - 1 + len(r.completion_ids)]
-            for i, r in enumerate(rollouts)
-        ]
+        self.last_token_stats = layout.per_rollout(stats[0])
         return metrics
 
     def step_token_stats(self) -> list[torch.Tensor] | None:

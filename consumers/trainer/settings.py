@@ -72,6 +72,10 @@ class TrainerSettings(Section):
     # Each step's per-token trainer log-probs and routing differences, published with its
     # StepCompleted (8 bytes a completion token) for the monitor's rollout inspector.
     record_token_stats: bool = True
+    # Sequence packing: rows of up to this many tokens hold several rollouts (attention and
+    # positions kept within each, policy/packing.py), so a step of mixed lengths pads little.
+    # 0: one rollout per right-padded row. Part of the maths: a run replays with its own.
+    pack_tokens: int = Field(0, ge=0)
 
     @property
     def engine_name(self) -> str:

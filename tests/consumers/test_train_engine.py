@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from jetrl.consumers.trainer.engine import make_train_engine
@@ -72,3 +73,24 @@ def test_engine_state_resumes_bit_for_bit(tmp_path: Path) -> None:
     a.step(rollouts)
     b.step(rollouts)
     assert b.checksum() == a.checksum()
+
+
+def test_a_packed_step_trains_what_the_padded_step_trains() -> None:
+    padded = LocalTrainEngine(PART)
+    packed = LocalTrainEngine(PART.model_copy(update={"trainer": TrainerSettings(lr=1e-2, pack_tokens=16)}))
+    rollouts = rollouts_from(padded.model)
+    # Rows of 16 tokens take two of these 8- and 9-token rollouts each: half the rows.
+    from jetrl.policy.packing import collate_for
+
+    batch, layout = collate_for(rollouts, padded.mcfg, 16)
+    assert batch.positions is not None and layout.num_rows < len(rollouts)
+    for a, b in zip(packed.logprobs(rollouts), padded.logprobs(rollouts), strict=True):
+        assert torch.allclose(a, b, atol=1e-5, rtol=0)  # other matmul shapes: float rounding only
+    m_packed, m_padded = packed.step(rollouts), padded.step(rollouts)
+    for k in ("loss", "grad_norm", "entropy", "num_tokens"):
+        assert m_packed[k] == pytest.approx(m_padded[k], rel=1e-4, abs=1e-6), k
+    assert m_padded["grad_norm"] > 0
+    for a, b in zip(packed.step_token_stats() or [], padded.step_token_stats() or [], strict=True):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=0)
+    wa, wb = packed.model.state_dict(), padded.model.state_dict()
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4

@@ -19,6 +19,7 @@ rank 0 (``None`` elsewhere). Why the maths equals the single-process step's:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -37,6 +38,7 @@ from jetrl.consumers.trainer.settings import TrainerPart
 from jetrl.policy.loss import LossConfig
 from jetrl.policy.models import to_titan_config
 from jetrl.policy.origin import initial_model, model_config_of
+from jetrl.policy.packing import PackedLayout, collate_for
 from jetrl.policy.titan import Qwen3StateDictAdapter
 from jetrl.policy.titan_dist import (
     SPMD_BACKEND,
@@ -48,7 +50,7 @@ from jetrl.policy.titan_dist import (
 )
 from jetrl.policy.train import (
     Rollout,
-    collate,
+    TrainBatch,
     compute_logprobs,
     forward_backward,
     make_optimizer,
@@ -141,19 +143,19 @@ class ShardedPolicy:
         mine: tuple[list[Rollout], list[int], int] = g.scatter(per_rank)
         return mine
 
-    def _batch(self, local: list[Rollout]) -> Any:
-        batch = collate(local or [self._padding()], self.mcfg)
-        for name in ("input_ids", "loss_mask", "inference_logprobs", "advantages", "routing"):
-            t = getattr(batch, name, None)
+    def _batch(self, local: list[Rollout]) -> tuple[TrainBatch, PackedLayout]:
+        batch, layout = collate_for(local or [self._padding()], self.mcfg, self.s.pack_tokens)
+        for f in dataclasses.fields(batch):
+            t = getattr(batch, f.name)
             if isinstance(t, torch.Tensor):
-                setattr(batch, name, t.to(self.group.device))
-        return batch
+                setattr(batch, f.name, t.to(self.group.device))
+        return batch, layout
 
     # ------------------------------------------------------------------ collective operations
 
     def step(self, rollouts: Sequence[Rollout] | None) -> dict[str, float] | None:
         local, idx, total = self._share(rollouts)
-        batch = self._batch(local)
+        batch, layout = self._batch(local)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         stats: list[torch.Tensor] | None = [] if self.s.record_token_stats else None
@@ -170,11 +172,8 @@ class ShardedPolicy:
         max_norm = self.s.max_grad_norm if self.s.max_grad_norm else math.inf
         norm = clip_grad_norm_(params, max_norm, ep_enabled=self.group.dims.ep_enabled)
         self.optimizer.step()
-        rows = stats[0].cpu() if stats else None
-        mine = []
-        for k, (i, r) in enumerate(zip(idx, local, strict=True)):
-            p, c = len(r.prompt_ids), len(r.completion_ids)
-            mine.append((i, None if rows is None else rows[k, p - 1 : p - 1 + c].clone()))
+        slices = layout.per_rollout(stats[0].cpu()) if stats else [None] * len(local)
+        mine = [(i, None if t is None else t.clone()) for i, t in zip(idx, slices, strict=False)]
         report = (m, batch.num_tokens, mine) if self.group.reports and local else None
         got = self.group.gather(report)
         if got is None:
@@ -204,12 +203,10 @@ class ShardedPolicy:
 
     def logprobs(self, rollouts: Sequence[Rollout] | None) -> list[torch.Tensor] | None:
         local, idx, _ = self._share(rollouts)
-        batch = self._batch(local)
+        batch, layout = self._batch(local)
         with torch.no_grad():
             lp, _ = compute_logprobs(self.model, batch, temperature=self.temperature, replay=self.replay)
-        lp = lp.cpu()
-        mask = batch.loss_mask.cpu()
-        mine = [(i, lp[k][mask[k]]) for k, i in enumerate(idx)]
+        mine = list(zip(idx, layout.per_rollout(lp.cpu(), batch.loss_mask.cpu()), strict=False))
         got = self.group.gather(mine if self.group.reports else None)
         if got is None:
             return None

@@ -31,7 +31,9 @@ ROOT = Path(__file__).resolve().parents[3]
 # gradients are summed in another order than one process sums them. Bit-equality holds within
 # one layout (the resume checks below), not across layouts.
 LOGPROB_ATOL = 1e-5
-WEIGHT_ATOL = 1e-4
+# After 4 AdamW steps at lr 1e-2 (weights move by up to ~4e-2): Adam divides by the root of the
+# squared gradients, which magnifies rounding where a gradient is near 0 (measured up to 1e-4).
+WEIGHT_ATOL = 5e-4
 LOSS_RTOL = 1e-4
 
 
@@ -65,21 +67,27 @@ def local_reference(rollouts: list[Rollout], **trainer: Any) -> tuple[LocalTrain
     return eng, out
 
 
-LAYOUTS = {"fsdp": {"dp_shard": 2}, "fsdp+ep": {"dp_shard": 2, "ep": 2}}
+# name: ([trainer.parallelism], other [trainer] settings). Packed rows (several rollouts a row)
+# are compared with the single-process engine's padded rows: the same maths, other shapes.
+LAYOUTS: dict[str, tuple[dict[str, int], dict[str, Any]]] = {
+    "fsdp": ({"dp_shard": 2}, {}),
+    "fsdp+ep": ({"dp_shard": 2, "ep": 2}, {}),
+    "fsdp+ep packed": ({"dp_shard": 2, "ep": 2}, {"pack_tokens": 24}),
+}
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    d = tmp_path_factory.mktemp(request.param)
-    layout = LAYOUTS[request.param]
-    got = run(layout, "train", d, d / "train.pt", weights_layout="hf")
+    d = tmp_path_factory.mktemp(request.param.replace(" ", "-"))
+    layout, extra = LAYOUTS[request.param]
+    got = run(layout, "train", d, d / "train.pt", weights_layout="hf", **extra)
     rollouts = torch.load(d / ROLLOUTS, weights_only=False)
     eng, want = local_reference(rollouts, weights_layout="hf")
-    return request.param, layout, d, got, eng, want, rollouts
+    return request.param, (layout, extra), d, got, eng, want, rollouts
 
 
 def test_a_parallel_step_equals_the_single_process_step(trained: Any) -> None:
-    name, layout, _, got, eng, want, rollouts = trained
+    name, (layout, _), _, got, eng, want, rollouts = trained
     assert got["layout"] == {
         "engine": "parallel",
         "world_size": 2,
@@ -115,18 +123,20 @@ def test_a_parallel_step_equals_the_single_process_step(trained: Any) -> None:
     assert set(tensors) == set(ref)
     worst = max(float((tensors[k] - ref[k]).abs().max()) for k in ref)
     assert worst < WEIGHT_ATOL, worst
-    assert any(not torch.equal(tensors[k], start.model.state_dict()[k]) for k in ref)  # it trained
+    initial = LocalTrainEngine(part({})).model.state_dict()
+    moved = max(float((tensors[k] - initial[k]).abs().max()) for k in ref)
+    assert moved > 20 * WEIGHT_ATOL, moved  # it trained, far past the tolerance
     # The checksum is the canonical tensors': the same bytes loaded into one process hash alike.
     start.load_weights(tensors)
     assert start.checksum() == digest
 
 
 def test_a_dcp_checkpoint_resumes_bit_for_bit_in_a_fresh_group(trained: Any, tmp_path: Path) -> None:
-    _, layout, d, got, _, _, _ = trained
+    _, (layout, extra), d, got, _, _, _ = trained
     ck = checkpoint_path(d, CKPT_AFTER)
     # One shard file per rank, DCP's index, and jetrl's metadata.
     assert {p.name for p in ck.iterdir()} == {"__0_0.distcp", "__1_0.distcp", ".metadata", "meta.json"}
-    again = run(layout, "resume", d, tmp_path / "resume.pt")
+    again = run(layout, "resume", d, tmp_path / "resume.pt", weights_layout="hf", **extra)
     assert again["loaded"] == got["checksums"][CKPT_AFTER - 1]
     assert again["checksums"] == got["checksums"][CKPT_AFTER:]
 
