@@ -19,11 +19,12 @@ class ParallelismSettings(Section):
     dp_shard: int = Field(1, ge=1)  # FSDP2: parameters, gradients and optimizer state sharded
     dp_replicate: int = Field(1, ge=1)  # replicas of the sharded model (HSDP)
     ep: int = Field(1, ge=1)  # experts of each MoE layer split across ranks, tokens all-to-all
-    cp: int = Field(1, ge=1)  # the sequence split across ranks (GPU only: no CPU backward)
-    tp: int = Field(1, ge=1)  # tensor parallelism
+    cp: int = Field(1, ge=1)  # the sequence split across ranks (refused for now: no CPU backward)
+    tp: int = Field(1, ge=1)  # tensor parallelism (refused for now: see parallel/sharded.py)
     device: Literal["cpu", "cuda"] = "cpu"
-    # The MoE all-to-all: DeepEP where installed on Hopper GPUs, torch's all_to_all otherwise.
-    all_to_all: Literal["auto", "torch", "deepep"] = "auto"
+    # The MoE all-to-all: torch's all_to_all_single (gloo or NCCL); "deepep" (Hopper GPUs) is
+    # refused until it has been checked on one.
+    all_to_all: Literal["torch", "deepep"] = "torch"
     # How long a rank waits in a collective (the others idle between steps while the trainer
     # waits for rollouts); a dead rank is noticed at once by the launcher, not by this.
     collective_timeout_s: float = Field(86_400.0, gt=0)
@@ -42,6 +43,22 @@ class ParallelismSettings(Section):
         if (self.dp_shard * self.cp * self.tp) % self.ep:
             raise ValueError(
                 f"ep = {self.ep} must divide dp_shard * cp * tp = {self.dp_shard * self.cp * self.tp}"
+            )
+        # Refused before any process starts, each with why (consumers/trainer/parallel/).
+        if self.cp > 1:
+            raise ValueError(
+                "cp > 1: context parallel training is not available (torch has no CP backward on "
+                "CPU, and it has not been checked on a GPU); its forward is (parallel/context.py)"
+            )
+        if self.tp > 1:
+            raise ValueError(
+                "tp > 1: tensor parallel training is not wired yet: torchtitan's TP leaves logits "
+                "and router scores as DTensors, which the loss and Router Replay do not take"
+            )
+        if self.all_to_all == "deepep":
+            raise ValueError(
+                "all_to_all = 'deepep' needs Hopper GPUs and has not been checked on one yet; "
+                "use 'torch' (torch's all_to_all_single, on gloo or NCCL)"
             )
         return self
 

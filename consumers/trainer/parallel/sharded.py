@@ -80,11 +80,6 @@ class ShardedPolicy:
         set_deterministic(part.seed, num_threads=s.threads)
         self.mcfg = model_config_of(part.model)
         par = s.parallelism
-        if par.cp > 1:
-            raise ValueError(
-                "context parallel training is not available: on CPU torch has no CP backward "
-                "(consumers/trainer/parallel/context.py checks its forward); set cp = 1"
-            )
         if self.mcfg.is_moe and self.mcfg.num_experts % par.ep:
             raise ValueError(f"ep = {par.ep} must divide the model's {self.mcfg.num_experts} experts")
         titan_par = ParallelismConfig(
