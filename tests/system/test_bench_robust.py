@@ -151,3 +151,17 @@ def test_r3_fed_positions_of_a_row_without_loss_tokens() -> None:
         loss_mask = torch.tensor([[False, True, True, False], [False, False, False, False]])
 
     assert r3.fed_positions(Batch()).tolist() == [[True, True, True, False], [False, False, False, False]]
+
+
+def test_trainer_summary_when_layouts_failed() -> None:
+    trainer = load_bench("trainer")
+    lines = trainer.summary_lines({})  # nothing ran (timed out, or failed to start)
+    assert lines[0] == "trainer step time local engine 1 rank: not measured (not run) (target: reported)"
+    assert (
+        "trainer params+optimizer per rank fsdp 2 ranks / whole: not measured (not run) (target ~0.5)"
+        in lines
+    )
+    failed = {"fsdp": {"ok": False, "error": "rank 1: timed out after 60 s"}}
+    assert any(
+        "not measured (rank 1: timed out after 60 s)" in line for line in trainer.summary_lines(failed)
+    )
