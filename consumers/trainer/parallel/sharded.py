@@ -36,7 +36,7 @@ from jetrl.consumers.trainer.parallel.group import RankGroup
 from jetrl.consumers.trainer.parallel.split import split_by_tokens
 from jetrl.consumers.trainer.settings import TrainerPart
 from jetrl.policy.loss import LossConfig
-from jetrl.policy.models import to_titan_config
+from jetrl.policy.models import build_model, to_titan_config
 from jetrl.policy.origin import initial_model, model_config_of
 from jetrl.policy.packing import PackedLayout, collate_for
 from jetrl.policy.titan import Qwen3StateDictAdapter
@@ -90,8 +90,11 @@ class ShardedPolicy:
             expert_parallel_degree=par.ep,
             spmd_backend=SPMD_BACKEND,
         )
-        # Every rank builds the same full model from the seed, then keeps its shards.
-        model = initial_model(part.model, seed=part.seed, parallelism=titan_par).to(group.device)
+        # Only rank 0 builds the version-0 weights (as one process would: same seed, same
+        # values); every rank builds the model on the meta device, shards it, and then takes
+        # its shards of rank 0's weights, so no other rank ever holds the whole model.
+        source = initial_model(part.model, seed=part.seed, parallelism=titan_par) if group.rank == 0 else None
+        model = build_model(self.mcfg, seed=None, device="meta", parallelism=titan_par)
         parallelize_qwen3(
             model,
             parallel_dims=group.dims,
@@ -104,7 +107,21 @@ class ShardedPolicy:
         for m in model.modules():
             if isinstance(m, FSDPModule):
                 m.set_force_sum_reduction_for_comms(True)
+        model.to_empty(device=group.device)
         self.model = model
+        self.load_weights(None if source is None else source.state_dict())
+        # Buffers outside the state dict (RoPE's tables) are whole on every rank: rank 0's.
+        mine = dict(source.named_buffers()) if source is not None else {}
+        for name, buf in model.named_buffers():
+            full = (
+                mine[name].to("cpu").contiguous()
+                if source is not None
+                else torch.empty_like(buf, device="cpu")
+            )
+            dist.broadcast(full, src=0, group=group.control)
+            with torch.no_grad():
+                buf.copy_(full)
+        del source, mine
         self.optimizer = make_optimizer(model, lr=s.lr, weight_decay=s.weight_decay)
         self.loss_cfg = LossConfig(kl_coef=s.kl_coef, entropy_coef=s.entropy_coef)
         self.replay = s.replay and self.mcfg.is_moe
