@@ -116,11 +116,11 @@ class ShardedPolicy:
             full = (
                 mine[name].to("cpu").contiguous()
                 if source is not None
-                else torch.empty_like(buf, device="cpu")
+                else torch.empty(tuple(buf.shape), dtype=buf.dtype)
             )
             dist.broadcast(full, src=0, group=group.control)
             with torch.no_grad():
-                buf.copy_(full)
+                buf.copy_(_placed_like(buf, full.to(group.device)))
         del source, mine
         self.optimizer = make_optimizer(model, lr=s.lr, weight_decay=s.weight_decay)
         self.loss_cfg = LossConfig(kl_coef=s.kl_coef, entropy_coef=s.entropy_coef)
@@ -293,12 +293,7 @@ class ShardedPolicy:
                 else torch.empty(tuple(t.shape), dtype=t.dtype)
             )
             dist.broadcast(full, src=0, group=g.control)
-            full = full.to(g.device)
-            new[name] = (
-                distribute_tensor(full, t.device_mesh, t.placements, src_data_rank=None)
-                if isinstance(t, DTensor)
-                else full
-            )
+            new[name] = _placed_like(t, full.to(g.device))
         self.model.load_state_dict(new)
 
     def _state(self) -> dict[str, Any]:
@@ -324,3 +319,11 @@ class ShardedPolicy:
         # The optimizer's tensors were filled in place; the model's state dict may hold views
         # of fused weights, so it goes back through the model's own loading.
         self.model.load_state_dict(state["model"])
+
+
+def _placed_like(like: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """``full`` (the same on every rank) as ``like`` is laid out: cut to its placement when it
+    is a DTensor, with no communication."""
+    if isinstance(like, DTensor):
+        return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+    return full
