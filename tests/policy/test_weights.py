@@ -4,6 +4,9 @@ import torch
 from jetrl.policy.models import build_model, get_config
 from jetrl.policy.weights import (
     ChecksumMismatch,
+    Hasher,
+    SafetensorsBuffer,
+    canonical_order,
     checksum,
     from_hf,
     load_into,
@@ -106,3 +109,32 @@ def test_hf_names_roundtrip(model, cfg):
     assert "model.layers.0.self_attn.q_proj.weight" in hf
     back = from_hf(hf, cfg)
     assert checksum(back) == checksum(model)
+
+
+def test_safetensors_buffer_filled_tensor_by_tensor_is_the_plain_serialisation() -> None:
+    model = build_model("tiny-moe", seed=1)
+    sd = model.state_dict()
+    names = canonical_order(sd)
+    buf = SafetensorsBuffer([(n, sd[n].dtype, tuple(sd[n].shape)) for n in names], {"version": "7"})
+    h = Hasher()
+    for n in reversed(names):  # the buffer takes tensors in any order; the hasher does not
+        buf.put(n, sd[n])
+    for n in names:
+        h.add(n, sd[n])
+    data = buf.finish(h.hexdigest())
+    tensors, digest = weights_from_bytes(data, expected_checksum=checksum(model))
+    assert digest == h.hexdigest() and all(torch.equal(tensors[n], sd[n]) for n in names)
+    assert read_metadata(data)["version"] == "7"
+
+
+def test_hasher_and_buffer_refuse_what_would_make_a_wrong_checksum() -> None:
+    h = Hasher()
+    h.add("b", torch.zeros(2))
+    with pytest.raises(ValueError, match="canonical"):
+        h.add("a", torch.zeros(2))  # out of order: another digest for the same weights
+    buf = SafetensorsBuffer([("a", torch.float32, (2,)), ("b", torch.float32, (3,))], {})
+    with pytest.raises(ValueError, match="planned"):
+        buf.put("a", torch.zeros(3))
+    buf.put("a", torch.zeros(2))
+    with pytest.raises(ValueError, match="never filled"):
+        buf.finish("0" * 64)
