@@ -18,9 +18,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import io
 import os
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 import nats.js.errors
@@ -78,17 +79,40 @@ def array_from_bytes(dtype: str, shape: tuple[int, ...], data: bytes | memoryvie
     return np.frombuffer(data, dtype=dt).reshape(shape)
 
 
-def sha256(data: bytes | memoryview) -> str:
+def sha256(data: Buffer) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
 # --------------------------------------------------------------------------- stores
 
 
+# What a store takes: bytes, or a writable buffer (a trainer's weights, serialised in place)
+# that must not be copied again on its way out.
+Buffer = bytes | bytearray | memoryview
+
+
+class _BufferReader(io.BufferedIOBase):
+    """A buffer read in chunks without a copy of the whole (the object store copies bytes-like
+    data it cannot read in place)."""
+
+    def __init__(self, data: bytearray | memoryview) -> None:
+        self._view = memoryview(data).cast("B")
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        n = min(len(b), len(self._view) - self._pos)
+        b[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+
 class PayloadStore(Protocol):
     kind: str
 
-    async def put(self, name: str, data: bytes) -> ev.PayloadRef: ...
+    async def put(self, name: str, data: Buffer) -> ev.PayloadRef: ...
 
     async def get_bytes(self, ref: ev.PayloadRef) -> bytes: ...
 
@@ -111,8 +135,8 @@ class ObjectStorePayloads:
             raise PayloadError(f"payload bucket {bucket} does not exist; call Bus.ensure_run first") from None
         return cls(obj, bucket)
 
-    async def put(self, name: str, data: bytes) -> ev.PayloadRef:
-        info = await self.obj.put(name, data)
+    async def put(self, name: str, data: Buffer) -> ev.PayloadRef:
+        info = await self.obj.put(name, data if isinstance(data, bytes) else _BufferReader(data))
         # The object store hashed the bytes already ("SHA-256=<base64url>"): no second pass.
         assert info.digest is not None  # set on every object the store put
         digest = base64.urlsafe_b64decode(info.digest.split("=", 1)[1]).hex()
@@ -144,7 +168,7 @@ class FilePayloads:
             raise PayloadError(f"payload name {name!r} must be a plain file name")
         return self.root / self.bucket / name
 
-    async def put(self, name: str, data: bytes) -> ev.PayloadRef:
+    async def put(self, name: str, data: Buffer) -> ev.PayloadRef:
         path = self._path(name)
         await asyncio.to_thread(_atomic_write, path, data)
         return _ref(self, name, data, sha256(data))
@@ -163,7 +187,7 @@ class NoPayloadStore:
 
     kind = "none"
 
-    async def put(self, name: str, data: bytes) -> ev.PayloadRef:
+    async def put(self, name: str, data: Buffer) -> ev.PayloadRef:
         raise PayloadError(
             f"{name}: {len(data)} bytes is past what an event carries here, and there is no payload store"
         )
@@ -174,11 +198,12 @@ class NoPayloadStore:
         )
 
 
-def _ref(store: ObjectStorePayloads | FilePayloads, name: str, data: bytes, digest: str) -> ev.PayloadRef:
-    return ev.PayloadRef(store=store.kind, bucket=store.bucket, name=name, size=len(data), sha256=digest)
+def _ref(store: ObjectStorePayloads | FilePayloads, name: str, data: Buffer, digest: str) -> ev.PayloadRef:
+    size = data.nbytes if isinstance(data, memoryview) else len(data)
+    return ev.PayloadRef(store=store.kind, bucket=store.bucket, name=name, size=size, sha256=digest)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def _atomic_write(path: Path, data: Buffer) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with tmp.open("wb") as f:

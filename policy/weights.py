@@ -182,11 +182,11 @@ def weights_to_bytes(
 
 
 def weights_from_bytes(
-    data: bytes, *, expected_checksum: str | None = None, model_cfg: Any = None
+    data: bytes | bytearray, *, expected_checksum: str | None = None, model_cfg: Any = None
 ) -> tuple[dict[str, torch.Tensor], str]:
     """Canonical tensors of safetensors bytes, checksum verified. Bytes in Hugging Face layout
     are converted first, which needs ``model_cfg``."""
-    tensors = st_load(data)
+    tensors = st_load(data if isinstance(data, bytes) else bytes(data))  # safetensors takes bytes only
     meta = read_metadata(data)
     if meta.get(META_LAYOUT) == "hf":
         if model_cfg is None:
@@ -197,7 +197,7 @@ def weights_from_bytes(
     return tensors, _verify(tensors, meta.get(META_CHECKSUM), expected_checksum, "weights bytes")
 
 
-def read_metadata(data: bytes) -> dict[str, str]:
+def read_metadata(data: bytes | bytearray) -> dict[str, str]:
     """The ``__metadata__`` of safetensors bytes, without loading the tensors."""
     if len(data) < 8:
         raise ValueError("not safetensors data: shorter than its header length")
@@ -270,13 +270,12 @@ class SafetensorsBuffer:
         self.buf[base : base + n] = _raw_bytes(t)
         self._filled.add(name)
 
-    def finish(self, digest: str) -> bytes:
+    def finish(self, digest: str) -> bytearray:
         if missing := set(self._spans) - self._filled:
             raise ValueError(f"tensors never filled: {sorted(missing)[:5]}")
         head = self._header_bytes(digest)
         assert len(head) == self._head_len  # the digest replaced a placeholder of its length
         self.buf[:8] = struct.pack("<Q", len(head))
         self.buf[8 : 8 + len(head)] = head
-        data = bytes(self.buf)  # payload stores take bytes; the buffer goes right after
-        self.buf = bytearray()
+        data, self.buf = self.buf, bytearray()  # handed over, not copied
         return data

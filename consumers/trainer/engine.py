@@ -49,8 +49,9 @@ class TrainEngine(Protocol):
         """The weights checksum (policy/weights.py) over canonical full tensors."""
         ...
 
-    def export_weights(self, metadata: Mapping[str, str]) -> tuple[bytes, str]:
-        """The weights as the bytes inference loads (safetensors), and their checksum."""
+    def export_weights(self, metadata: Mapping[str, str]) -> tuple[bytes | bytearray, str]:
+        """The weights as the bytes inference loads (safetensors), and their checksum (a
+        bytearray where the engine serialised them in place: the payload stores take it as is)."""
         ...
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:

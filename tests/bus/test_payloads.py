@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pytest
 
@@ -123,3 +125,16 @@ async def test_log_arrays_are_read_where_they_lie_in_the_log(bus: Bus, run_id: s
     # A reference to a payload is kept as it is: it points at its own bytes already.
     stored = await Payloads(pay.default, inline_threshold=0).put_array("big", tokens)
     assert log_array(seq, "completion_tokens", stored) is stored
+
+
+async def test_a_buffer_is_stored_as_it_is(bus: Bus, run_id: str, tmp_path) -> None:
+    """A trainer's weights serialised in place (a bytearray) go in without a copy of the whole,
+    in several object-store chunks, and come back as the same bytes."""
+    data = bytearray(np.random.default_rng(3).integers(0, 256, size=300_000, dtype=np.uint8).tobytes())
+    digest = hashlib.sha256(data).hexdigest()
+    for store in (await ObjectStorePayloads.for_run(bus.js, run_id), FilePayloads(tmp_path, "run2")):
+        ref = await store.put("weights-v1", data)
+        assert (ref.size, ref.sha256) == (len(data), digest)
+        assert await store.get_bytes(ref) == bytes(data)
+        view_ref = await store.put("weights-v2", memoryview(data))
+        assert (view_ref.size, view_ref.sha256) == (len(data), digest)

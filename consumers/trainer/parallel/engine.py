@@ -71,8 +71,8 @@ class ParallelTrainEngine:
         digest: str = self._run("checksum")
         return digest
 
-    def export_weights(self, metadata: Mapping[str, str]) -> tuple[bytes, str]:
-        out: tuple[bytes, str] = self._run("export_weights", dict(metadata))
+    def export_weights(self, metadata: Mapping[str, str]) -> tuple[bytes | bytearray, str]:
+        out: tuple[bytearray, str] = self._run("export_weights", dict(metadata))
         return out
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:

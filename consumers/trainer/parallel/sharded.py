@@ -243,7 +243,7 @@ class ShardedPolicy:
                 h.add(name, t)
         return None if h is None else h.hexdigest()
 
-    def export_weights(self, metadata: Mapping[str, str] | None) -> tuple[bytes, str] | None:
+    def export_weights(self, metadata: Mapping[str, str] | None) -> tuple[bytearray, str] | None:
         """The safetensors bytes of the full weights (Hugging Face layout when the run asks for
         it), gathered tensor by tensor into one buffer on rank 0, and their checksum."""
         hf = self.s.weights_layout == "hf"
