@@ -50,7 +50,6 @@ KERNEL_STUB_INSTALLED = _install_kernel_stub()
 # bf16/fp16, warns, and runs the gate in the input dtype, which is what we want.
 warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported")
 
-from torchtitan.distributed.context_parallel import apply_cp_to_forward, cp_shard  # noqa: E402
 from torchtitan.models.common import CosSinRoPE, Embedding, Linear  # noqa: E402
 from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
 from torchtitan.models.common.config_utils import (  # noqa: E402
@@ -82,8 +81,6 @@ __all__ = [
     "RMSNorm",
     "ScaledDotProductAttention",
     "TokenChoiceTopKRouter",
-    "apply_cp_to_forward",
-    "cp_shard",
     "get_attention_config",
     "make_ffn_config",
     "make_gqa_config",

@@ -1,5 +1,5 @@
-"""The door to torchtitan's distributed side (parallel dims, its parallelize functions, the
-parallel-aware gradient clipping), kept apart from policy/titan.py so that inference and the
+"""The door to torchtitan's distributed side (parallel dims, its parallelize functions, context
+parallelism, the parallel-aware gradient clipping), kept apart from policy/titan.py so that inference and the
 single-process trainer never import it.
 
 torchtitan picks its mesh device at import time (``tools.utils.device_type``: the accelerator
@@ -20,6 +20,7 @@ from torchtitan.config import (
 )
 from torchtitan.distributed import parallel_dims as _parallel_dims
 from torchtitan.distributed import utils as _dist_utils
+from torchtitan.distributed.context_parallel import apply_cp_to_forward, cp_shard
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.qwen3.parallelize import parallelize_qwen3
 
@@ -42,7 +43,9 @@ __all__ = [
     "ParallelDims",
     "ParallelismConfig",
     "TrainingConfig",
+    "apply_cp_to_forward",
     "clip_grad_norm_",
     "configure",
+    "cp_shard",
     "parallelize_qwen3",
 ]

@@ -262,21 +262,27 @@ def train_step(
             num_tokens=total,
             token_stats=token_stats,
         )
-        w = b.num_tokens / total
-        for k, v in m.items():
-            if k in ("loss", "pg_loss", "kl", "num_tokens"):
-                metrics[k] = metrics.get(k, 0.0) + v  # already normalised by the step's total
-            elif k == "ratio_min":
-                metrics[k] = min(metrics.get(k, v), v)
-            elif k in ("ratio_max", "mismatch_kl_max"):
-                metrics[k] = max(metrics.get(k, v), v)
-            else:
-                metrics[k] = metrics.get(k, 0.0) + w * v
+        add_metrics(metrics, m, b.num_tokens / total)
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm else float("inf"))
     metrics["grad_norm"] = float(norm)
     optimizer.step()
     return metrics
+
+
+def add_metrics(into: dict[str, float], part: dict[str, float], weight: float) -> None:
+    """Fold one micro-batch's metrics (or one rank's) into the step's: loss terms are already
+    divided by the step's token total (summed), extremes stay extremes, the rest are token
+    means (weighted by the part's share ``weight`` of the step's tokens)."""
+    for k, v in part.items():
+        if k in ("loss", "pg_loss", "kl", "num_tokens"):
+            into[k] = into.get(k, 0.0) + v
+        elif k == "ratio_min":
+            into[k] = min(into.get(k, v), v)
+        elif k in ("ratio_max", "mismatch_kl_max"):
+            into[k] = max(into.get(k, v), v)
+        else:
+            into[k] = into.get(k, 0.0) + weight * v
 
 
 def make_optimizer(model: nn.Module, lr: float = 1e-3, weight_decay: float = 0.0) -> torch.optim.Optimizer:

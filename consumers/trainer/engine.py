@@ -59,8 +59,8 @@ class TrainEngine(Protocol):
         ...
 
     def layout(self) -> dict[str, Any]:
-        """What a checkpoint of this engine can only be resumed by the same of (the world
-        size and how it is split); recorded with every checkpoint and step."""
+        """How the engine is laid out (its world size and how it is split): recorded with
+        every checkpoint, which only an engine of the same layout resumes."""
         ...
 
     def save_state(self, directory: Path) -> None:

@@ -19,15 +19,12 @@ class ParallelismSettings(Section):
     dp_shard: int = Field(1, ge=1)  # FSDP2: parameters, gradients and optimizer state sharded
     dp_replicate: int = Field(1, ge=1)  # replicas of the sharded model (HSDP)
     ep: int = Field(1, ge=1)  # experts of each MoE layer split across ranks, tokens all-to-all
-    cp: int = Field(1, ge=1)  # the sequence split across ranks (refused for now: no CPU backward)
-    tp: int = Field(1, ge=1)  # tensor parallelism (refused for now: see parallel/sharded.py)
+    cp: int = Field(1, ge=1)  # the sequence split across ranks (refused for now: see _check)
+    tp: int = Field(1, ge=1)  # tensor parallelism (refused for now: see _check)
     device: Literal["cpu", "cuda"] = "cpu"
     # The MoE all-to-all: torch's all_to_all_single (gloo or NCCL); "deepep" (Hopper GPUs) is
     # refused until it has been checked on one.
     all_to_all: Literal["torch", "deepep"] = "torch"
-    # How long a rank waits in a collective (the others idle between steps while the trainer
-    # waits for rollouts); a dead rank is noticed at once by the launcher, not by this.
-    collective_timeout_s: float = Field(86_400.0, gt=0)
 
     @property
     def world_size(self) -> int:

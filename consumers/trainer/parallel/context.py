@@ -45,7 +45,7 @@ from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalanc
 from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE, BlockMask
 
 from jetrl.policy.models import model_config
-from jetrl.policy.titan import apply_cp_to_forward, cp_shard
+from jetrl.policy.titan_dist import apply_cp_to_forward, cp_shard
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:

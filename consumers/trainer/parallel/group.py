@@ -25,6 +25,9 @@ from jetrl.consumers.trainer.settings import ParallelismSettings
 from jetrl.policy.titan_dist import SPMD_BACKEND, ParallelDims, configure
 
 WORKER_MODULE = "jetrl.consumers.trainer.parallel.launch"
+# Ranks idle in the control channel's broadcast while the trainer waits for rollouts, for as
+# long as that takes; a rank that dies is noticed at once (its sockets close), not by this.
+CONTROL_TIMEOUT = timedelta(days=7)
 
 
 def launched() -> bool:
@@ -43,10 +46,9 @@ class RankGroup:
     broken: bool = False  # a command failed midway: the ranks may be out of step
     workers: list[subprocess.Popen[bytes]] = field(default_factory=list)  # ranks this process started
 
-    @property
-    def dp_rank(self) -> int:
-        """Which share of a step's rollouts this rank trains (cp and tp ranks share one)."""
-        return self.rank // (self.par.cp * self.par.tp)
+    def dp_rank(self, rank: int) -> int:
+        """Which share of a step's rollouts ``rank`` trains (cp and tp ranks share one)."""
+        return rank // (self.par.cp * self.par.tp)
 
     @property
     def reports(self) -> bool:
@@ -67,9 +69,6 @@ class RankGroup:
         out: list[Any] | None = [None] * self.world if self.rank == 0 else None
         dist.gather_object(obj, out, dst=0, group=self.control)
         return out
-
-    def barrier(self) -> None:
-        dist.barrier(group=self.control)
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -102,8 +101,7 @@ def join(par: ParallelismSettings | None) -> RankGroup:
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     if (rank == 0) != (par is not None):
         raise RuntimeError(f"rank {rank}: only rank 0 is given the layout")
-    # The control group's timeout: ranks idle in it while the trainer waits for rollouts.
-    timeout = timedelta(seconds=par.collective_timeout_s if par is not None else 7 * 86_400)
+    timeout = CONTROL_TIMEOUT
     # Where a GPU is, NCCL carries the model's collectives; gloo always carries the control's.
     backend = "cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend=backend, timeout=timeout)

@@ -52,27 +52,20 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["--"]:  # torchrun drops it; a launcher that passes it on
         args = args[1:]
-    configure(level=os.environ.get("JETRL_LOG_LEVEL", "info"))
+    configure()
     if args[:1] == ["--serve"] or int(os.environ.get("RANK", "0")) != 0:
         return _serve()
     if not args:
         print(__doc__, file=sys.stderr)
         return 2
-    from jetrl.consumers.trainer.parallel import group as g
-
     module, rest = args[0], args[1:]
     sys.argv = [module, *rest]
-    code = 0
+    # Rank 0's group tells the others to stop when this process exits (group.join's atexit).
     try:
-        if module.endswith(".py"):
-            runpy.run_path(module, run_name="__main__")
-        else:
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    finally:
-        g.leave()
-    return code
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    return 0
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ from jetrl.policy.titan_dist import (
 from jetrl.policy.train import (
     Rollout,
     TrainBatch,
+    add_metrics,
     compute_logprobs,
     forward_backward,
     make_optimizer,
@@ -61,11 +62,6 @@ from jetrl.policy.weights import META_LAYOUT, Hasher, SafetensorsBuffer, canonic
 # Gathering an expert weight sharded over ep and efsdp takes two all-gathers, and torch warns
 # about it at every checksum; the order is fixed, so the result is the same every time.
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-
-# How train_step (policy/train.py) combines micro-batch metrics; ranks are combined alike.
-_SUMMED = ("loss", "pg_loss", "kl", "num_tokens")  # already divided by the step's total
-_MIN = ("ratio_min",)
-_MAX = ("ratio_max", "mismatch_kl_max")
 
 
 def completion_tokens(r: Rollout) -> int:
@@ -150,7 +146,7 @@ class ShardedPolicy:
             total = max(sum(completion_tokens(r) for r in rollouts), 1)
             per_rank = []
             for r in range(g.world):
-                idx = shares[r // (g.par.cp * g.par.tp)]
+                idx = shares[g.dp_rank(r)]
                 per_rank.append(([rollouts[i] for i in idx], idx, total))
         mine: tuple[list[Rollout], list[int], int] = g.scatter(per_rank)
         return mine
@@ -196,16 +192,7 @@ class ShardedPolicy:
             if rep is None:
                 continue
             rm, n, slices = rep
-            w = n / total
-            for k, v in rm.items():
-                if k in _SUMMED:
-                    metrics[k] = metrics.get(k, 0.0) + v
-                elif k in _MIN:
-                    metrics[k] = min(metrics.get(k, v), v)
-                elif k in _MAX:
-                    metrics[k] = max(metrics.get(k, v), v)
-                else:
-                    metrics[k] = metrics.get(k, 0.0) + w * v
+            add_metrics(metrics, rm, n / total)
             by_index.update(slices)
         metrics["grad_norm"] = float(norm)
         assert rollouts is not None
