@@ -9,6 +9,11 @@ STAMP := $(VENV)/.jetrl-installed
 .PHONY: venv vllm-venv browser run test lint bench clean
 
 $(STAMP): pyproject.toml
+	@# Mooncake's transfer engine links libibverbs (even over TCP); only root can install it.
+	@if [ -e /usr/lib/x86_64-linux-gnu/libibverbs.so.1 ] || ldconfig -p | grep -q libibverbs.so.1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null; \
+	else echo "libibverbs1 not installed (not root): the Mooncake payload store will not load"; fi
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first: a looser requirement resolved first would download a multi-GB CUDA build

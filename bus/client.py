@@ -121,7 +121,9 @@ class Bus:
     ) -> Bus:
         """Connect to ``url`` (one server or a cluster's), as the identity of the credentials
         file ``creds`` (deploy/tenants.py writes them) when the server requires one."""
-        servers = [url] if isinstance(url, str) else list(url)
+        # A cluster's URLs, as a list or comma-separated (how a command line gives them).
+        given = [url] if isinstance(url, str) else list(url)
+        servers = [u.strip() for one in given for u in one.split(",") if u.strip()]
         blog = log.bind(client=name)
         denied: dict[str, str] = {}
         ident = Credentials.load(creds) if creds else None
@@ -222,10 +224,21 @@ class Bus:
     # ------------------------------------------------------------------ streams
 
     async def ensure_run(self, run_id: str, limits: StreamLimits | None = None) -> api.StreamInfo:
-        """Create (or check) the run's log stream and payload bucket. Idempotent."""
+        """Create (or check) the run's log stream and payload bucket, with as many replicas as
+        ``limits`` asks (or, for "auto", as the server's cluster allows). Idempotent."""
+        limits = (limits or StreamLimits()).resolve_replicas(self.cluster_size())
         info = await ensure_run_stream(self.js, run_id, limits)
         await ensure_payload_bucket(self.js, run_id, limits)
         return info
+
+    def cluster_size(self) -> int:
+        """How many servers the connected one's cluster has: 1 for a server on its own. From
+        the server's INFO (``cluster`` and the members' client URLs it gossips), which nats-py
+        keeps but does not expose."""
+        info = self.nc._server_info
+        if not info.get("cluster"):
+            return 1
+        return max(1, len(set(info.get("connect_urls") or [])))
 
     # ------------------------------------------------------------------ publish
 

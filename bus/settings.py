@@ -21,10 +21,22 @@ class BusSettings(Section):
     # Where weights travel: the run's object store (any machine), or files in the run directory
     # (every process on one filesystem; far faster for weights of tens of MB and more).
     weights_store: Literal["objstore", "file"] = "objstore"
+    # Copies of the run's log and payload bucket on a JetStream cluster: "auto" takes 3 (or
+    # every node of a smaller cluster), 1 on a single server.
+    replicas: int | Literal["auto"] = Field("auto")
+
+    @field_validator("replicas")
+    @classmethod
+    def _replicas(cls, v: int | str) -> int | str:
+        if v != "auto" and not 1 <= int(v) <= 5:
+            raise ValueError("replicas is 1 to 5 (JetStream's limit), or 'auto'")
+        return v
 
     def limits(self) -> StreamLimits:
         return StreamLimits(
-            max_bytes=int(self.max_gib * GiB), payload_max_bytes=int(self.payload_max_gib * GiB)
+            max_bytes=int(self.max_gib * GiB),
+            payload_max_bytes=int(self.payload_max_gib * GiB),
+            replicas=0 if self.replicas == "auto" else int(self.replicas),
         )
 
 

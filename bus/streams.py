@@ -7,6 +7,7 @@ raises, instead of silently deleting the oldest facts of the run.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import nats.js.errors
@@ -19,6 +20,7 @@ from jetrl.bus.log import get_logger
 log = get_logger(__name__)
 
 GiB = 1024**3
+AUTO_REPLICAS = 3  # a JetStream cluster's usual quorum: survives the loss of one node
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,14 @@ class StreamLimits:
     max_msg_size: int = 8 * 1024 * 1024
     duplicate_window_s: float = 120.0
     payload_max_bytes: int = 32 * GiB
-    replicas: int = 1
+    replicas: int = 1  # 0: as many as the server's cluster holds, up to 3 (resolve_replicas)
+
+    def resolve_replicas(self, cluster_size: int) -> StreamLimits:
+        """These limits with a definite replica count for a server in a cluster of
+        ``cluster_size`` nodes (1: a single server)."""
+        if self.replicas:
+            return self
+        return dataclasses.replace(self, replicas=max(1, min(AUTO_REPLICAS, cluster_size)))
 
     def stream_config(self, run_id: str) -> api.StreamConfig:
         return api.StreamConfig(
@@ -159,6 +168,8 @@ async def ensure_tenant_view(
     except nats.js.errors.NotFoundError:
         pass
     origin = stream_name(run_id)
+    # A view is as replicated as the log it sources ("auto" limits: take the log's count).
+    replicas = limits.replicas or (await js.stream_info(origin)).config.num_replicas or 1
     cfg = api.StreamConfig(
         name=name,
         description=f"tenant {tenant}'s view of jetrl run {run_id}",
@@ -168,7 +179,7 @@ async def ensure_tenant_view(
         discard=api.DiscardPolicy.NEW,
         max_bytes=limits.max_bytes,
         max_msg_size=limits.max_msg_size,
-        num_replicas=limits.replicas,
+        num_replicas=replicas,
         allow_direct=True,
     )
     try:
