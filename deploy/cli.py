@@ -22,6 +22,7 @@ _COMMAND_MODULES = [
     "jetrl.deploy.tenants_cmd",
     "jetrl.deploy.producer_cmd",
     "jetrl.deploy.monitor_cmd",
+    "jetrl.deploy.nats_cmd",
 ]
 
 
