@@ -7,8 +7,9 @@ size, SHA-256). Reading a reference always verifies the hash and raises
 :class:`PayloadIntegrityError` on mismatch.
 
 Stores implement :class:`PayloadStore`; the event format does not change with the store. Built
-in: the run's JetStream Object Store bucket (default) and a shared filesystem directory.
-Mooncake plugs in as another ``store`` kind on GPU clusters. A third kind of reference,
+in: the run's JetStream Object Store bucket (default) and a shared filesystem directory; and
+``mooncake`` (bus/mooncake.py): bytes held by their writer, pulled by readers over Mooncake's
+transfer engine, for weights and routing traces when ``[bus]`` says so. A third kind of reference,
 :class:`~jetrl.bus.events.LogArray`, names an inline array already in the run's log (a scored
 rollout's arrays are its generation's); :class:`LogArrays` reads them by stream sequence.
 """
@@ -30,6 +31,7 @@ from nats.js.object_store import ObjectStore
 
 from jetrl.bus import events as ev
 from jetrl.bus.log import get_logger
+from jetrl.bus.settings import MooncakeSettings
 from jetrl.bus.streams import payload_bucket, stream_name
 
 log = get_logger(__name__)
@@ -299,29 +301,46 @@ class Payloads:
 
     @classmethod
     async def for_run(
-        cls, js: nats.js.JetStreamContext, run_id: str, *, weights_dir: str | Path | None = None
+        cls,
+        js: nats.js.JetStreamContext,
+        run_id: str,
+        *,
+        weights_dir: str | Path | None = None,
+        mooncake: MooncakeSettings | None = None,
     ) -> Payloads:
-        """A run's arrays: its object store (where new ones go), the log, and the shared
-        weights directory when weights travel as files."""
+        """A run's arrays: its object store (where new ones go), the log, the shared weights
+        directory when weights travel as files, and this process's Mooncake engine when weights
+        or traces travel that way."""
+        from jetrl.bus.mooncake import MooncakePayloads
+
         objstore = await ObjectStorePayloads.for_run(js, run_id)
-        return cls(objstore, *weight_stores(weights_dir, objstore.bucket), log=LogArrays(js, run_id))
+        others = weight_stores(weights_dir, objstore.bucket)
+        if mooncake is not None:
+            others.append(MooncakePayloads(mooncake, bucket=objstore.bucket))
+        return cls(objstore, *others, log=LogArrays(js, run_id))
 
     async def put_array(
-        self, name: str, arr: np.ndarray, *, inline_threshold: int | None = None
+        self, name: str, arr: np.ndarray, *, inline_threshold: int | None = None, store: str | None = None
     ) -> ev.ArrayRef:
         """``arr`` inline when it is small (``inline_threshold``, default the store's), else in
-        the store with a reference."""
+        the store (``store``: the kind, default the default) with a reference."""
         inline = inline_array(arr)
         if len(inline.data) <= (self.inline_threshold if inline_threshold is None else inline_threshold):
             return inline
-        ref = await self.default.put(name, inline.data)
+        ref = await self.store(store).put(name, inline.data)
         return msgspec.structs.replace(ref, dtype=inline.dtype, shape=inline.shape)
 
-    async def get_bytes(self, ref: ev.PayloadRef) -> bytes:
-        store = self.stores.get(ref.store)
+    def store(self, kind: str | None = None) -> PayloadStore:
+        """The store of ``kind`` (None: the default, where new writes go)."""
+        if kind is None:
+            return self.default
+        store = self.stores.get(kind)
         if store is None:
-            raise PayloadError(f"no payload store of kind {ref.store!r} is configured here")
-        data = await store.get_bytes(ref)
+            raise PayloadError(f"no payload store of kind {kind!r} is configured here")
+        return store
+
+    async def get_bytes(self, ref: ev.PayloadRef) -> bytes:
+        data = await self.store(ref.store).get_bytes(ref)
         if len(data) != ref.size:
             raise PayloadIntegrityError(
                 f"payload {ref.bucket}/{ref.name}: expected {ref.size} bytes, read {len(data)}"

@@ -15,12 +15,34 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class MooncakeSettings(Section):
+    """``[bus.mooncake]``: payloads held by their writer and pulled by readers over Mooncake's
+    transfer engine (bus/mooncake.py)."""
+
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    device: str = ""  # RDMA devices ("" on TCP)
+    # The address this process's engine advertises in its references; None: $JETRL_HOST in
+    # the process that writes, else 127.0.0.1 (one machine).
+    host: str | None = None
+    # What a writer keeps, the oldest evicted first: past either limit, except that the newest
+    # two objects (a trainer's last two weight versions) are always kept.
+    keep_objects: int = Field(64, ge=2)
+    keep_mib: float = Field(4096.0, gt=0)
+    # A read that takes longer fails (PayloadMissing); an evicted buffer is released this long
+    # after, so a read in flight never touches freed memory.
+    timeout_s: float = Field(60.0, gt=0)
+
+
 class BusSettings(Section):
     max_gib: float = Field(8.0, gt=0)  # the run's log
     payload_max_gib: float = Field(32.0, gt=0)  # the run's payload bucket
     # Where weights travel: the run's object store (any machine), or files in the run directory
     # (every process on one filesystem; far faster for weights of tens of MB and more).
-    weights_store: Literal["objstore", "file"] = "objstore"
+    # Or "mooncake": held in the trainer's memory, pulled by each worker (bus/mooncake.py).
+    weights_store: Literal["objstore", "file", "mooncake"] = "objstore"
+    # Where routing traces go: the object store, or held by their inference worker (mooncake).
+    traces_store: Literal["objstore", "mooncake"] = "objstore"
+    mooncake: MooncakeSettings = MooncakeSettings()
     # Copies of the run's log and payload bucket on a JetStream cluster: "auto" takes 3 (or
     # every node of a smaller cluster), 1 on a single server.
     replicas: int | Literal["auto"] = Field("auto")

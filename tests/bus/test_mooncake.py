@@ -1,0 +1,153 @@
+"""The mooncake payload store: a real transfer engine over TCP on loopback, the writer in a
+process of its own, the reader here."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import msgspec
+import numpy as np
+import pytest
+
+from jetrl.bus import events as ev
+from jetrl.bus.mooncake import MooncakePayloads
+from jetrl.bus.payloads import PayloadIntegrityError, PayloadMissing, Payloads
+from jetrl.bus.settings import MooncakeSettings
+
+pytest.importorskip("mooncake.engine")
+
+# The writer: one command a line on stdin, one answer a line on stdout.
+#   blob NAME SIZE SEED   -> the reference of SIZE seeded random bytes
+#   array NAME            -> the reference of a uint16 array (a routing trace)
+#   held                  -> [objects, bytes]
+WRITER = r"""
+import asyncio, json, sys
+import msgspec, numpy as np
+from jetrl.bus.mooncake import MooncakePayloads
+from jetrl.bus.payloads import Payloads
+from jetrl.bus.settings import MooncakeSettings
+
+async def main():
+    store = MooncakePayloads(MooncakeSettings.model_validate_json(sys.argv[1]))
+    pay = Payloads(store, inline_threshold=1024)
+    for line in sys.stdin:
+        cmd, *args = line.split()
+        if cmd == "blob":
+            data = np.random.default_rng(int(args[2])).bytes(int(args[1]))
+            out = msgspec.json.encode(await store.put(args[0], data)).decode()
+        elif cmd == "array":
+            trace = np.arange(300_000, dtype=np.uint16).reshape(1000, 30, 10)
+            out = msgspec.json.encode(await pay.put_array(args[0], trace)).decode()
+        else:
+            out = json.dumps(store.held())
+        print(out, flush=True)
+
+asyncio.run(main())
+"""
+
+
+class Writer:
+    def __init__(self, settings: MooncakeSettings) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", WRITER, settings.model_dump_json()],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, "JETRL_HOST": "127.0.0.1"},
+        )
+
+    def ask(self, line: str) -> str:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline()
+        assert answer, f"the writer died ({self.proc.poll()})"
+        return answer
+
+    def blob(self, name: str, size: int, seed: int = 0) -> ev.PayloadRef:
+        return msgspec.json.decode(self.ask(f"blob {name} {size} {seed}"), type=ev.PayloadRef)
+
+    def held(self) -> tuple[int, int]:
+        objects, nbytes = json.loads(self.ask("held"))
+        return objects, nbytes
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def writer() -> Iterator[Writer]:
+    w = Writer(MooncakeSettings(keep_objects=3, keep_mib=64, timeout_s=20))
+    yield w
+    w.kill()
+
+
+def reader(timeout_s: float = 20) -> Payloads:
+    return Payloads(MooncakePayloads(MooncakeSettings(host="127.0.0.1", timeout_s=timeout_s)))
+
+
+async def test_blob_and_array_round_trip_between_processes(writer: Writer) -> None:
+    pay = reader()
+    ref = writer.blob("weights-v0", 3_000_000, seed=7)
+    assert ref.store == "mooncake" and ref.bucket.startswith("127.0.0.1:") and ref.size == 3_000_000
+    assert await pay.get_bytes(ref) == np.random.default_rng(7).bytes(3_000_000)
+    # Readers pull concurrently.
+    both = await asyncio.gather(pay.get_bytes(ref), pay.get_bytes(ref))
+    assert both[0] == both[1]
+    arr_ref = msgspec.json.decode(writer.ask("array trace-g1-0"), type=ev.ArrayRef)  # type: ignore[arg-type]
+    assert isinstance(arr_ref, ev.PayloadRef) and arr_ref.dtype == "uint16"
+    back = await pay.get_array(arr_ref)
+    assert np.array_equal(back, np.arange(300_000, dtype=np.uint16).reshape(1000, 30, 10))
+
+
+async def test_a_wrong_hash_or_size_fails_loudly(writer: Writer) -> None:
+    pay = reader()
+    ref = writer.blob("logprobs-1", 100_000)
+    with pytest.raises(PayloadIntegrityError, match="does not match"):
+        await pay.get_bytes(msgspec.structs.replace(ref, sha256="0" * 64))
+    with pytest.raises(PayloadMissing):  # past the end of the writer's buffer: refused
+        await pay.get_bytes(msgspec.structs.replace(ref, size=ref.size + 1))
+
+
+async def test_evicted_objects_are_missing_and_the_writer_stays_bounded(writer: Writer) -> None:
+    pay = reader()
+    refs = [writer.blob(f"weights-v{v}", 1_000_000, seed=v) for v in range(5)]
+    assert writer.held() == (3, 3_000_000)  # keep_objects = 3
+    for ref in refs[:2]:
+        with pytest.raises(PayloadMissing):
+            await pay.get_bytes(ref)
+    assert await pay.get_bytes(refs[-1]) == np.random.default_rng(4).bytes(1_000_000)
+    # keep_mib = 64: two of 40 MB are kept though over it (the newest two always are), a
+    # third evicts the oldest.
+    big = [writer.blob(f"weights-v{v}", 40_000_000, seed=v) for v in (5, 6, 7)]
+    objects, nbytes = writer.held()
+    assert objects == 2 and nbytes == 80_000_000
+    with pytest.raises(PayloadMissing):
+        await pay.get_bytes(big[0])
+    # A reference to an address no buffer of the writer's covers.
+    bogus = msgspec.structs.replace(refs[-1], name="weights-v4#10#" + "00" * 16)
+    with pytest.raises(PayloadMissing):
+        await pay.get_bytes(bogus)
+
+
+async def test_a_dead_writer_is_a_clear_error_in_bounded_time() -> None:
+    w = Writer(MooncakeSettings())
+    ref = w.blob("weights-v3", 200_000)
+    pay = reader(timeout_s=10)
+    assert len(await pay.get_bytes(ref)) == 200_000
+    w.kill()
+    t0 = time.monotonic()
+    with pytest.raises(PayloadMissing):
+        await pay.get_bytes(ref)
+    # A reader that never met the writer before.
+    with pytest.raises(PayloadMissing):
+        await reader(timeout_s=10).get_bytes(ref)
+    assert time.monotonic() - t0 < 15
