@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from jetrl.bus.settings import BusSettings, EnvRoute, Section, TenantSettings
+from jetrl.bus.settings import BusSettings, EnvRoute, MooncakeSettings, Section, TenantSettings
 from jetrl.consumers.inference.settings import InferencePart, InferenceSettings
 from jetrl.consumers.monitor.settings import MonitorSettings
 from jetrl.consumers.trainer.settings import TrainerPart, TrainerSettings
@@ -84,6 +84,11 @@ class RunConfig(Section):
         """Where weights travel when ``[bus] weights_store = "file"``: files in the run directory."""
         return str((run_dir / "payloads").resolve()) if self.bus.weights_store == "file" else None
 
+    def mooncake(self) -> MooncakeSettings | None:
+        """The ``[bus.mooncake]`` engine trainer and workers run, when weights or traces use it."""
+        uses = "mooncake" in (self.bus.weights_store, self.bus.traces_store)
+        return self.bus.mooncake if uses else None
+
     def trainer_part(self, run_dir: Path) -> TrainerPart:
         t = self.envs[0].temperature
         return TrainerPart(
@@ -92,6 +97,8 @@ class RunConfig(Section):
             seed=self.run.seed,
             temperature=t if t > 0 else 1.0,
             weights_dir=self.weights_dir(run_dir),
+            weights_store=self.bus.weights_store,
+            mooncake=self.mooncake(),
             tenants=self.tenant_settings(),
             envs=self.env_routes(),
         )
@@ -102,6 +109,8 @@ class RunConfig(Section):
             model=self.model,
             seed=self.run.seed,
             weights_dir=self.weights_dir(run_dir),
+            traces_store=self.bus.traces_store,
+            mooncake=self.mooncake(),
             tenants=self.tenant_settings(),
             envs=self.env_routes(),
         )

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from jetrl.bus.settings import EnvRoute, Section, TenantSettings
+from jetrl.bus.settings import EnvRoute, MooncakeSettings, Section, TenantSettings
 from jetrl.policy.settings import ModelSettings
 
 
@@ -58,6 +58,10 @@ class InferencePart(Section):
     model: ModelSettings = ModelSettings()
     seed: int = 0
     weights_dir: str | None = None  # where the trainer writes weights, when not the object store
+    # Routing traces stay in this worker's memory, pulled by the trainer ("mooncake"), or go
+    # to the object store; `mooncake`: this process's engine, when weights or traces use one.
+    traces_store: Literal["objstore", "mooncake"] = "objstore"
+    mooncake: MooncakeSettings | None = None
     # The run's tenants (fair scheduling, quotas) and environments (tasks of any other pair are
     # refused); empty: one tenant "default", any environment.
     tenants: list[TenantSettings] = Field(default_factory=list)

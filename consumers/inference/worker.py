@@ -283,7 +283,9 @@ class InferenceWorker:
         name = f"{eid}-{attempt}"
         trace = None
         if g.routing_trace is not None:
-            trace = await self.payloads.put_array(f"trace-{name}", g.routing_trace)
+            trace = await self.payloads.put_array(
+                f"trace-{name}", g.routing_trace, store=self.part.traces_store
+            )
         body = ev.GenerationCompleted(
             generation_id=gen_id,
             task_id=t.task_id,
@@ -357,7 +359,9 @@ class InferenceWorker:
         return True
 
     async def run(self, stop: asyncio.Event) -> None:
-        self.payloads = await Payloads.for_run(self.bus.js, self.run_id, weights_dir=self.part.weights_dir)
+        self.payloads = await Payloads.for_run(
+            self.bus.js, self.run_id, weights_dir=self.part.weights_dir, mooncake=self.part.mooncake
+        )
         weights: dict[str, float] = {}
         queues: list[TaskQueue] = []
         for src in task_sources(self.run_id, self.part):

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from jetrl.bus.settings import EnvRoute, Section, TenantSettings
+from jetrl.bus.settings import EnvRoute, MooncakeSettings, Section, TenantSettings
 from jetrl.policy.settings import ModelSettings
 
 
@@ -108,6 +108,10 @@ class TrainerPart(Section):
     # Weights go to this shared directory (a FilePayloads store) instead of the run's object
     # store: much faster for models past a few MB when every process sees the same filesystem.
     weights_dir: str | None = None
+    # Or weights stay in this process's memory, pulled by each worker ("mooncake").
+    weights_store: Literal["objstore", "file", "mooncake"] = "objstore"
+    # This process's Mooncake engine, when weights or routing traces travel that way.
+    mooncake: MooncakeSettings | None = None
     # The run's tenants and environments (batch shares; rollouts of any other pair are refused);
     # empty: any environment, batches filled in arrival order.
     tenants: list[TenantSettings] = Field(default_factory=list)

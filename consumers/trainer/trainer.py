@@ -465,8 +465,10 @@ class Trainer:
 
     async def start(self) -> PullConsumer[ev.RolloutScored]:
         """Stores, recovery from the log, and the consumer of scored rollouts."""
-        self.payloads = await Payloads.for_run(self.bus.js, self.run_id, weights_dir=self.part.weights_dir)
-        self.weights_store = self.payloads.stores["file"] if self.part.weights_dir else self.payloads.default
+        self.payloads = await Payloads.for_run(
+            self.bus.js, self.run_id, weights_dir=self.part.weights_dir, mooncake=self.part.mooncake
+        )
+        self.weights_store = self.payloads.store("file" if self.part.weights_dir else self.part.weights_store)
         structlog.contextvars.bind_contextvars(run_id=self.run_id, worker_id="trainer")
         await self.recover()
         consumer = await self.bus.consumer(rollout_consumer_spec(self.run_id, self.s), ev.RolloutScored)

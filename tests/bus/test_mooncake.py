@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -18,7 +19,11 @@ import pytest
 from jetrl.bus import events as ev
 from jetrl.bus.mooncake import MooncakePayloads
 from jetrl.bus.payloads import PayloadIntegrityError, PayloadMissing, Payloads
+from jetrl.bus.server import EmbeddedServer
 from jetrl.bus.settings import MooncakeSettings
+from jetrl.deploy.config import load_config
+from jetrl.deploy.supervisor import Supervisor
+from tests.support.runlog import bodies, read_log
 
 pytest.importorskip("mooncake.engine")
 
@@ -151,3 +156,24 @@ async def test_a_dead_writer_is_a_clear_error_in_bounded_time() -> None:
     with pytest.raises(PayloadMissing):
         await reader(timeout_s=10).get_bytes(ref)
     assert time.monotonic() - t0 < 15
+
+
+@pytest.mark.slow
+async def test_a_run_with_weights_and_traces_in_mooncake(nats_server: EmbeddedServer, tmp_path: Path) -> None:
+    steps = 4
+    args = (
+        "--trainer.max_steps 4 --trainer.batch_groups 2 --envs.0.group_size 4 --inference.workers 1"
+        " --bus.weights_store mooncake --bus.traces_store mooncake"
+    )
+    cfg = load_config(None, args.split())
+    sup = Supervisor(cfg, "mc1", tmp_path / "mc1", nats_url=nats_server.url, quiet=True)
+    assert await sup.run() == 0
+    log = await read_log(nats_server.url, "mc1")
+    assert len(bodies(log, ev.StepCompleted)) == steps
+    ready = bodies(log, ev.WeightsReady)
+    assert ready and all(r.location.store == "mooncake" for r in ready)
+    traces = [g.routing_trace for g in bodies(log, ev.GenerationCompleted)]
+    assert traces and all(t is not None for t in traces)
+    # The tiny model's traces are below the inline threshold (they ride in the event); a
+    # larger one is a mooncake reference held by its worker.
+    assert all(t.store == "mooncake" for t in traces if isinstance(t, ev.PayloadRef))
