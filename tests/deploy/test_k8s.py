@@ -99,7 +99,11 @@ def flag(argv: list[str], name: str) -> str:
 
 def jetrl_containers(docs: list[Doc]) -> list[tuple[Doc, Doc]]:
     return [
-        (d, c) for d in docs if d["kind"] in WORKLOADS for c in pod_spec(d)["containers"] if c.get("command") == ["jetrl"]
+        (d, c)
+        for d in docs
+        if d["kind"] in WORKLOADS
+        for c in pod_spec(d)["containers"]
+        if c.get("command") == ["jetrl"]
     ]
 
 
@@ -115,7 +119,9 @@ def test_every_document_validates_against_the_kubernetes_schemas(docs: list[Doc]
         try:
             kubernetes_validate.validate(copy.deepcopy(d), KUBERNETES_VERSION, strict=True)
         except kubernetes_validate.ValidationError as exc:
-            pytest.fail(f"{d['kind']}/{d['metadata']['name']}: {exc.message} at {list(exc.caught.absolute_path)}")
+            pytest.fail(
+                f"{d['kind']}/{d['metadata']['name']}: {exc.message} at {list(exc.caught.absolute_path)}"
+            )
 
 
 def test_the_validator_rejects_a_broken_manifest(docs: list[Doc]) -> None:
@@ -153,7 +159,10 @@ def test_nats_is_a_three_server_jetstream_cluster_on_volumes(docs: list[Doc]) ->
     conf = config_map(docs, "jetrl-nats-config")["nats.conf"]
     assert nats["command"] == ["nats-server", "-c", "/etc/nats/nats.conf"]
     assert re.search(r"^server_name: \$POD_NAME$", conf, re.M)
-    assert any(e["name"] == "POD_NAME" and e["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name" for e in nats["env"])
+    assert any(
+        e["name"] == "POD_NAME" and e["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+        for e in nats["env"]
+    )
     assert re.search(r"store_dir: /data/jetstream", conf)
     routes = re.findall(r"nats://(\S+):6222", conf)
     assert routes == [f"jetrl-nats-{i}.jetrl-nats" for i in range(3)]
@@ -230,7 +239,7 @@ def test_the_store_url_comes_from_a_secret(docs: list[Doc]) -> None:
     assert db["url"].startswith("postgresql+psycopg://") and "@jetrl-postgres:5432/" in db["url"]
     find(docs, "Service", "jetrl-postgres")
     users = 0
-    for d, c in jetrl_containers(docs):
+    for _, c in jetrl_containers(docs):
         argv = resolved_args(docs, c)
         if "--db" in argv:
             users += 1
@@ -255,7 +264,10 @@ def test_trainer_is_an_indexed_job_whose_pods_are_torchrun_node_ranks(docs: list
     # The node rank is the pod's completion index (0..completions-1), through the downward API.
     assert flag(argv, "--node-rank") == "$(NODE_RANK)"
     (rank,) = [e for e in c["env"] if e["name"] == "NODE_RANK"]
-    assert rank["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    assert (
+        rank["valueFrom"]["fieldRef"]["fieldPath"]
+        == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    )
     # One rendezvous endpoint: index 0's stable name under the headless Service.
     host, _, port = flag(argv, "--rdzv-endpoint").rpartition(":")
     svc = find(docs, "Service", pod["subdomain"])
@@ -294,4 +306,7 @@ def test_workloads_that_scale_and_those_that_are_single(docs: list[Doc]) -> None
     assert pod_spec(coord)["restartPolicy"] == "Never"
     for d in docs:  # every selector selects its own pods
         if d["kind"] in {"Deployment", "StatefulSet"}:
-            assert d["spec"]["selector"]["matchLabels"].items() <= d["spec"]["template"]["metadata"]["labels"].items()
+            assert (
+                d["spec"]["selector"]["matchLabels"].items()
+                <= d["spec"]["template"]["metadata"]["labels"].items()
+            )
