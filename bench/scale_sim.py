@@ -46,7 +46,7 @@ import numpy as np
 from load import cpu_load
 
 from jetrl.bus import events as ev
-from jetrl.bus import subjects
+from jetrl.bus import ids, subjects
 from jetrl.bus.client import Bus, BusError, ConsumerSpec, Publisher
 from jetrl.bus.log import configure
 from jetrl.bus.payloads import (
@@ -64,6 +64,7 @@ MB = 1e6
 SUBJECTS = ("task", "generation", "rollout", "step", "policy", "weights", "worker")
 TARGET = "(target >= 1x)"
 LIMITS = StreamLimits(max_bytes=8 * GiB, payload_max_bytes=8 * GiB)
+TENANT = "acme"
 CPU_BOUND = 0.9  # of a core (the bench's one Python process) or of all cores: "CPU-bound"
 
 
@@ -257,6 +258,15 @@ class Sink:
         return self.logprob_pool[:n]
 
 
+def task_of(gid: str, i: int, k: int) -> str:
+    """The task of turn ``k`` of sample ``i`` (producers/producer.py next_turn)."""
+    return gid if k == 0 else ids.turn_task_id(generation_of(gid, i, k - 1), k)
+
+
+def generation_of(gid: str, i: int, k: int) -> str:
+    return ids.generation_id(gid, i) if k == 0 else ids.generation_id(task_of(gid, i, k), 0)
+
+
 async def simulate_group(
     sink: Sink, g: int, on_generation: Callable[[], Awaitable[None]] | None = None
 ) -> None:
@@ -264,7 +274,7 @@ async def simulate_group(
     shape, run = sink.shape, sink.run_id
     plan = turn_plan(shape)
     first = plan[0]
-    gid = f"sim.t.{g}"
+    gid = ids.task_id("swe", TENANT, g)
     task0 = ev.TaskSubmitted(
         task_id=gid,
         env="swe",
@@ -272,7 +282,7 @@ async def simulate_group(
         prompt_tokens=sink.tokens(first.history).tolist(),
         max_tokens=shape.tokens,
     )
-    await sink.emit(ev.new_event(task0, run_id=run, tenant="acme"))
+    await sink.emit(ev.new_event(task0, run_id=run, tenant=TENANT))
     prompt0 = await sink.array(f"prompt-{gid}", sink.tokens(first.history))
     last_trace: dict[int, ev.ArrayRef | None] = {}
     first_prompt = sink.tokens(shape.prompt).tolist()
@@ -301,7 +311,7 @@ async def simulate_group(
                     max_tokens=shape.tokens,
                 )
                 task = ev.TaskSubmitted(
-                    task_id=f"{gid}.{i}.{k}",
+                    task_id=task_of(gid, i, k),
                     env="swe",
                     group_size=1,
                     prompt_tokens=history,
@@ -311,7 +321,7 @@ async def simulate_group(
                     turn=k,
                     worker_hint="inf-0",
                 )
-                await sink.emit(ev.new_event(task, run_id=run, tenant="acme"))
+                await sink.emit(ev.new_event(task, run_id=run, tenant=TENANT))
             name = f"{gid}-{i}-{k}"
             prompt = prompt0 if k == 0 else await sink.array(f"prompt-{name}", sink.tokens(turn.history))
             rows = turn.history + turn.completion - 1
@@ -321,8 +331,8 @@ async def simulate_group(
             trace = await sink.array(f"trace-{name}", zeros)
             last_trace[i] = trace
             body = ev.GenerationCompleted(
-                generation_id=f"{gid}.{i}",
-                task_id=gid if k == 0 else f"{gid}.{i}.{k}",
+                generation_id=generation_of(gid, i, k),
+                task_id=task_of(gid, i, k),
                 env="swe",
                 group_id=gid,
                 sample_index=i,
@@ -338,12 +348,12 @@ async def simulate_group(
                 episode_id=gid if shape.turns > 1 else "",
                 turn=k,
             )
-            await sink.emit(ev.new_event(body, run_id=run, tenant="acme"))
+            await sink.emit(ev.new_event(body, run_id=run, tenant=TENANT))
             if on_generation is not None:
                 await on_generation()
     for i in range(shape.group_size):
         await sink.emit(
-            ev.new_event(await rollout_body(sink, gid, i, plan, last_trace[i]), run_id=run, tenant="acme")
+            ev.new_event(await rollout_body(sink, gid, i, plan, last_trace[i]), run_id=run, tenant=TENANT)
         )
 
 
@@ -353,7 +363,7 @@ async def rollout_body(
     shape = sink.shape
     completion = shape.tokens - shape.prompt
     common: dict[str, Any] = dict(
-        rollout_id=f"{gid}.{i}",
+        rollout_id=ids.rollout_id(gid, i),
         generation_event_id=ev.new_event_id(),
         task_id=gid,
         env="swe",
@@ -389,7 +399,11 @@ def step_body(shape: Shape, token_stats: ev.ArrayRef | None) -> ev.StepCompleted
     return ev.StepCompleted(
         step=1,
         policy_version=1,
-        rollout_ids=[f"sim.t.{g}.{i}" for g in range(shape.groups) for i in range(shape.group_size)],
+        rollout_ids=[
+            ids.rollout_id(ids.task_id("swe", TENANT, g), i)
+            for g in range(shape.groups)
+            for i in range(shape.group_size)
+        ],
         rollout_seqs=list(range(10**6, 10**6 + shape.rollouts)),
         metrics={f"metric_{m}": 0.5 for m in range(32)},
         tokens=shape.rollouts * shape.tokens,
@@ -848,8 +862,10 @@ async def probe_log(bus: Bus, run_id: str, shape: Shape, seconds: float) -> tupl
     ref = ev.PayloadRef(
         store="objstore", bucket="b", name="trace-x", size=final_trace_bytes(shape), sha256="0" * 64
     )
+    task = ids.task_id("swe", "probe", 0)
     body = ev.GenerationCompleted(
-        generation_id="p", task_id="p", env="swe", group_id="p", sample_index=0, group_size=1,
+        generation_id=ids.generation_id(task, 0), task_id=task, env="swe", group_id=task,
+        sample_index=0, group_size=1,
         prompt_tokens=ref, completion_tokens=ref, logprobs=ref, routing_trace=ref,
         policy_version_start=0, policy_version_end=0, worker_id="inf-0",
     )  # fmt: skip
