@@ -18,7 +18,7 @@ rate, payload put and payload get. Headroom is a measured rate over the seed's r
 the lowest of the probes' headrooms names what saturates first (and the step's CPU says whether
 this machine's cores were the bound).
 
-    python bench/scale_sim.py [--paper] [--store objstore|file|mooncake|all] [--rollouts 8]
+    python bench/scale_sim.py [--paper] [--store objstore,file|mooncake|all] [--rollouts 8]
         [--tokens 16384] [--turns 8] [--publishers 4] [--budget-s 60] [--load N]
 
 Never crashes on a slow machine: a stage past its budget is measured on what it finished, and a
@@ -1041,7 +1041,7 @@ async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--paper", action="store_true", help="the seed's traffic on paper only (no server)")
     ap.add_argument(
-        "--store", default="objstore,file,mooncake", help="objstore|file|mooncake, comma-separated, or all"
+        "--store", default="objstore,file", help="objstore|file|mooncake, comma-separated, or all"
     )
     ap.add_argument("--rollouts", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=4)
