@@ -275,12 +275,21 @@ def test_trainer_is_an_indexed_job_whose_pods_are_torchrun_node_ranks(docs: list
     assert svc["spec"]["clusterIP"] == "None"
     assert svc["spec"]["selector"].items() <= job["spec"]["template"]["metadata"]["labels"].items()
     assert int(port) in {p["port"] for p in svc["spec"]["ports"]}
-    # Every node writes its shards of a checkpoint into one run directory: a shared volume.
-    run_dir = flag(argv, "--run-dir")
-    (mount,) = [m for m in c["volumeMounts"] if run_dir.startswith(m["mountPath"] + "/")]
-    (vol,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
-    claim = find(docs, "PersistentVolumeClaim", vol["persistentVolumeClaim"]["claimName"])
-    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+def test_every_part_writes_under_one_shared_run_directory(docs: list[Doc]) -> None:
+    # Every trainer node writes its shards of a checkpoint into one run directory, and file
+    # payloads are read from it: a ReadWriteMany volume, at the same path in every pod.
+    seen = set()
+    for d, c in jetrl_containers(docs):
+        argv = resolved_args(docs, c)
+        run_dir = flag(argv, "--run-dir") if argv[1] == "part" else f"{flag(argv, '--runs-dir')}/demo-k8s"
+        seen.add(run_dir)
+        (mount,) = [m for m in c["volumeMounts"] if run_dir.startswith(m["mountPath"] + "/")]
+        (vol,) = [v for v in pod_spec(d)["volumes"] if v["name"] == mount["name"]]
+        claim = find(docs, "PersistentVolumeClaim", vol["persistentVolumeClaim"]["claimName"])
+        assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert seen == {"/runs/demo-k8s"}
 
 
 def test_the_run_config_loads_and_splits_over_the_trainer_nodes(docs: list[Doc], tmp_path: Path) -> None:

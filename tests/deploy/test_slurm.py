@@ -89,7 +89,10 @@ def test_dry_run_on_six_nodes_prints_each_nodes_commands() -> None:
     assert [h for h, _ in nats] == ["gpu04", "gpu05", "gpu06"]
     confs = [flag(argv, "-c") for _, argv in nats]
     assert all(argv[0] == "nats-server" for _, argv in nats)
-    assert confs == [f"{out_dir}/n{k}.conf" for k in (1, 2, 3)]
+    assert confs == [f"{out_dir}/jetrl-{k}.conf" for k in range(3)]
+    assert flag(gen, "--name") == "jetrl"
+    assert "{server}" in flag(gen, "--store-dir")  # one store a server
+    assert "--auth-include" not in gen
     assert len(set(confs)) == 3
 
     # The trainer: one command per trainer node, node ranks 0..N-1, one rendezvous endpoint.
@@ -126,6 +129,7 @@ def test_dry_run_on_six_nodes_prints_each_nodes_commands() -> None:
         assert flag(argv, "--nats-url").split(",") == URLS
         if argv[1] == "part":
             assert flag(argv, "--run") == "r1"
+            assert flag(argv, "--run-dir") == "/shared/runs/r1"  # one run directory, shared
             assert "--creds" not in argv  # no tenants directory given
 
 
@@ -142,6 +146,8 @@ def test_inference_per_gpu_and_credentials() -> None:
     assert res.returncode == 0, res.stderr
     rows = plan(res.stdout)
     inference = [(h, argv) for h, role, argv in rows if role.startswith("inference")]
+    (gen,) = [argv for _, role, argv in rows if role == "setup"]
+    assert flag(gen, "--auth-include") == "../../../tenants/nats-auth.conf"  # from /shared/runs/r1/nats
     assert [h for h, _ in inference] == ["gpu02"] * 4
     assert [argv[:2] for _, argv in inference] == [["env", f"CUDA_VISIBLE_DEVICES={g}"] for g in range(4)]
     assert [flag(argv, "--worker-id") for _, argv in inference] == [f"inf-gpu02-g{g}" for g in range(4)]
