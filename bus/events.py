@@ -281,6 +281,9 @@ class StepCompleted(EventBody, frozen=True):
     # router would have sent it elsewhere than the replayed routes (0 for a dense model). What
     # the monitor's rollout inspector colours tokens by; absent when not recorded.
     token_stats: ArrayRef | None = None
+    # The trainer's last step: its goal (max_steps, stop_at_reward) is reached and it stops, so
+    # a run whose trainer is on another machine knows it is done.
+    final: bool = False
 
 
 class PolicyVersionPublished(EventBody, frozen=True):

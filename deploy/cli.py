@@ -23,6 +23,7 @@ _COMMAND_MODULES = [
     "jetrl.deploy.producer_cmd",
     "jetrl.deploy.monitor_cmd",
     "jetrl.deploy.nats_cmd",
+    "jetrl.deploy.part_cmd",
 ]
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from jetrl.bus.log import configure
 from jetrl.deploy.config import ConfigError, load_config
+from jetrl.deploy.parts import KINDS
 from jetrl.deploy.supervisor import Supervisor
 from jetrl.deploy.tenants_cmd import tenants_dir
 
@@ -20,6 +21,11 @@ def main(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"jetrl run: {exc}")
         return 2
+    try:
+        local = local_parts(args.parts)
+    except ValueError as exc:
+        print(f"jetrl run: {exc}")
+        return 2
     run_id = args.run_id or f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(args.runs_dir or cfg.run.runs_dir) / run_id
     sup = Supervisor(
@@ -29,8 +35,20 @@ def main(args: argparse.Namespace) -> int:
         nats_url=args.nats_url,
         db_url=args.db,
         tenants_dir=Path(tenants_dir(args.tenants_dir)),
+        local=local,
     )
     return asyncio.run(sup.run())
+
+
+def local_parts(spec: str) -> frozenset[str]:
+    """``--parts``: "all", "none", or kinds of part separated by commas."""
+    if spec in ("all", "none"):
+        return frozenset(KINDS) if spec == "all" else frozenset()
+    kinds = {k.strip() for k in spec.split(",") if k.strip()}
+    unknown = kinds - set(KINDS)
+    if unknown:
+        raise ValueError(f"--parts: unknown kind(s) {sorted(unknown)}; give all, none or some of {KINDS}")
+    return frozenset(kinds)
 
 
 def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -50,6 +68,12 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         default=None,
         help="the deployment's tenants (default $JETRL_TENANTS_DIR or runs/tenants): with any, every "
         "client authenticates",
+    )
+    p.add_argument(
+        "--parts",
+        default="all",
+        help="the parts started here: all (default), none, or a comma list of "
+        f"{', '.join(KINDS)}; the others are started anywhere with `jetrl part KIND` (docs/cluster.md)",
     )
     p.set_defaults(func=main, overrides=[])
 

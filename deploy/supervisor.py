@@ -18,13 +18,10 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-from pydantic import BaseModel
 
 from jetrl import __version__
 from jetrl.bus import events as ev
@@ -32,12 +29,10 @@ from jetrl.bus import ids, subjects
 from jetrl.bus.client import Bus
 from jetrl.bus.log import get_logger
 from jetrl.bus.server import EmbeddedServer
-from jetrl.bus.streams import ensure_tenant_view, run_usage
-from jetrl.consumers.monitor.settings import MonitorPart
-from jetrl.consumers.recorder.settings import RecorderPart
-from jetrl.consumers.trainer.settings import TrainerSettings
-from jetrl.consumers.trainer.withholding import close_out
+from jetrl.bus.streams import ensure_tenant_view, run_usage, stream_name
+from jetrl.consumers.trainer.withholding import close_out, rollout_consumer_spec
 from jetrl.deploy.config import RunConfig, library_versions
+from jetrl.deploy.parts import KINDS, PartCommand, PartCommands
 from jetrl.deploy.report import RunReport
 from jetrl.deploy.tenants import ADMIN, TenantRegistry
 from jetrl.store import queries
@@ -48,6 +43,7 @@ log = get_logger(__name__)
 MAX_RESTARTS = 10
 USAGE_EVERY_S = 10.0  # how often the log's and the payload bucket's fill is checked
 USAGE_WARN = 0.8  # the share of a limit past which the run is warned about
+SETTLE_S = 3.0  # quiet on the rollout subjects after which parts elsewhere have stopped
 
 
 FOLLOWERS = frozenset({"recorder", "monitor"})  # parts that only read the log
@@ -93,6 +89,7 @@ class Supervisor:
         db_url: str | None = None,
         quiet: bool = False,
         tenants_dir: Path | None = None,
+        local: frozenset[str] = frozenset(KINDS),
     ) -> None:
         self.cfg = cfg
         self.run_id = subjects.check_token(run_id, "run id")
@@ -100,6 +97,8 @@ class Supervisor:
         self.nats_url = nats_url
         self.db_url = db_url or cfg.store.db or f"sqlite:///{(run_dir / 'store.db').resolve()}"
         self.quiet = quiet
+        self.local = local  # the kinds of part started here; the others run elsewhere
+        self.final_step_seen = asyncio.Event()  # the trainer said its goal is reached
         self.server: EmbeddedServer | None = None
         self.parts: list[Part] = []
         self.progress = Progress()
@@ -115,17 +114,9 @@ class Supervisor:
 
     # ------------------------------------------------------------------ processes
 
-    def _settings_file(self, name: str, settings: BaseModel) -> str:
-        path = self.run_dir / "settings" / f"{name}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(settings.model_dump_json(indent=2))
-        return f"@{path}"
-
-    def creds(self, identity: str) -> list[str]:
-        """The ``--creds`` a part connects with (none on a server without authentication)."""
-        if self.registry is None:
-            return []
-        return ["--creds", str(self.registry.creds_path(identity))]
+    def creds(self, identity: str) -> str | None:
+        """The credentials file a part connects with (none on a server without authentication)."""
+        return None if self.registry is None else str(self.registry.creds_path(identity))
 
     def producer_identity(self, tenant: str) -> str:
         """A registered tenant's envs run as that tenant (through its view, as on its own
@@ -134,61 +125,27 @@ class Supervisor:
         return tenant if reg is not None and tenant in {t.name for t in reg.tenants()} else "producer"
 
     def plan(self, url: str) -> list[Part]:
-        def argv(module: str, identity: str, *extra: str) -> list[str]:
-            return [
-                *(sys.executable, "-m", module, "--nats-url", url, "--run", self.run_id),
-                *self.creds(identity),
-                *extra,
+        """The parts this machine runs: every kind of ``local`` (the others run elsewhere,
+        started with `jetrl part`)."""
+        cmds = PartCommands(self.cfg, self.run_id, self.run_dir, url)
+        chosen: list[PartCommand] = []
+        if "producer" in self.local:
+            tenants = {e.tenant for e in self.cfg.envs}
+            chosen += cmds.producers({t: self.creds(self.producer_identity(t)) for t in tenants})
+        if "inference" in self.local:
+            # Registered tenants' producers read only their views: arrays inline for them.
+            inline = self.registry.tenants_of(self.run_id) if self.registry is not None else []
+            chosen += [
+                cmds.inference(f"inf-{i}", self.creds("inference"), inline)
+                for i in range(self.cfg.inference.workers)
             ]
-
-        parts = [
-            Part(
-                f"env-{pp.env.tenant}-{pp.env.name}-{k}",
-                argv(
-                    "jetrl.producers",
-                    self.producer_identity(pp.env.tenant),
-                    *("--settings", self._settings_file(f"env-{k}", pp)),
-                ),
-            )
-            for k, pp in enumerate(self.cfg.producer_parts())
-            if not pp.env.remote  # its tenant runs it (`jetrl producer`)
-        ]
-        inf_part = self.cfg.inference_part(self.run_dir)
-        if self.registry is not None:  # their producers read only their views
-            inf_part.inline_tenants = self.registry.tenants_of(self.run_id)
-        inf = self._settings_file("inference", inf_part)
-        parts += [
-            Part(
-                f"inference-{i}",
-                argv("jetrl.consumers.inference", "inference", "--worker-id", f"inf-{i}", "--settings", inf),
-                threads=self.cfg.inference.threads,
-            )
-            for i in range(self.cfg.inference.workers)
-        ]
-        trainer = argv(
-            "jetrl.consumers.trainer",
-            "trainer",
-            *("--run-dir", str(self.run_dir)),
-            *("--settings", self._settings_file("trainer", self.cfg.trainer_part(self.run_dir))),
-        )
-        parts.append(Part("trainer", torchrun(trainer, self.cfg.trainer), threads=self.cfg.trainer.threads))
-        if self.cfg.store.recorder:
-            rec = self._settings_file("recorder", RecorderPart(db=self.db_url))
-            parts.append(Part("recorder", argv("jetrl.consumers.recorder", "recorder", "--settings", rec)))
-        if self.cfg.monitor.wanted:
-            mon = MonitorPart(monitor=self.cfg.monitor, out_dir=str((self.run_dir / "monitor").resolve()))
-            parts.append(
-                Part(
-                    "monitor",
-                    argv(
-                        "jetrl.consumers.monitor",
-                        "monitor",
-                        "--settings",
-                        self._settings_file("monitor", mon),
-                    ),
-                )
-            )
-        return parts
+        if "trainer" in self.local:
+            chosen.append(cmds.trainer(self.creds("trainer")))
+        if "recorder" in self.local and self.cfg.store.recorder:
+            chosen.append(cmds.recorder(self.db_url, self.creds("recorder")))
+        if "monitor" in self.local and self.cfg.monitor.wanted:
+            chosen.append(cmds.monitor(self.creds("monitor")))
+        return [Part(c.name, c.argv, threads=c.threads) for c in chosen]
 
     def start(self, part: Part) -> None:
         logs = self.run_dir / "logs"
@@ -324,6 +281,8 @@ class Supervisor:
                 if not isinstance(b, ev.StepCompleted):
                     continue
                 self.progress.report.add(b, time.monotonic() - self.progress.started)
+                if b.final:
+                    self.final_step_seen.set()
                 now = time.monotonic()
                 if now - self.progress.last_print >= 2.0 or b.step == self.cfg.trainer.max_steps - 1:
                     self.progress.last_print = now
@@ -398,6 +357,10 @@ class Supervisor:
                 if self.check_parts() is not None:
                     status = "completed"
                     break
+                if "trainer" not in self.local and self.final_step_seen.is_set():
+                    await self.wait_for_parts_elsewhere(bus)
+                    status = "completed"
+                    break
                 if time.monotonic() >= next_usage:
                     next_usage = time.monotonic() + USAGE_EVERY_S
                     await self.check_usage(bus)
@@ -449,6 +412,27 @@ class Supervisor:
         self.finish(status)
         return 0 if status == "completed" else 1
 
+    async def wait_for_parts_elsewhere(self, bus: Bus) -> None:
+        """With the trainer on another machine, the run ends when its final step is in the log;
+        producers and inference elsewhere stop then (`jetrl part` ends them there). The close-out
+        must see every rollout: it waits until no new one has come for ``SETTLE_S`` and the
+        trainer holds none (it returns those it held when it stops)."""
+        stream = stream_name(self.run_id)
+        durable = rollout_consumer_spec(self.run_id, self.cfg.trainer).durable
+        rollouts = subjects.rollout_subject(self.run_id)
+        deadline = time.monotonic() + self.cfg.trainer.ack_wait_s + 30.0
+        seen, since = -1, time.monotonic()
+        while time.monotonic() < deadline:
+            info = await bus.js.stream_info(stream, subjects_filter=rollouts)
+            count = sum((info.state.subjects or {}).values())
+            held = (await bus.js.consumer_info(stream, durable)).num_ack_pending
+            if count != seen:
+                seen, since = count, time.monotonic()
+            elif held == 0 and time.monotonic() - since >= SETTLE_S:
+                return
+            await asyncio.sleep(0.25)
+        self.log.warning("parts_elsewhere_not_settled", rollouts=seen)
+
     async def wait_for_recorder(self, head: int, timeout: float = 60.0) -> None:
         if not self.cfg.store.recorder:
             return
@@ -489,21 +473,3 @@ class Supervisor:
         self.say("\nsummary")
         for k, v in summary.items():
             self.say(f"  {k:<18} {v}")
-
-
-def torchrun(argv: list[str], trainer: TrainerSettings) -> list[str]:
-    """The trainer's command: as it is for one rank; for more, under torchrun on this machine,
-    rank 0 running it and the others serving rank 0 (consumers/trainer/parallel/launch.py).
-    torchrun restarts nothing (``--max-restarts 0``): a rank that dies ends the group, and the
-    supervisor restarts the trainer as it restarts any part, which then rebuilds from its
-    newest checkpoint and the log."""
-    world = trainer.parallelism.world_size
-    if world == 1:
-        return argv
-    python, _, module, *rest = argv
-    return [
-        *(python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)),
-        *("--max-restarts", "0", "--monitor-interval", "0.5"),
-        # "--": torchrun's parser would take the part's --run for an abbreviation of its --run-path.
-        *("-m", "jetrl.consumers.trainer.parallel.launch", "--", module, *rest),
-    ]

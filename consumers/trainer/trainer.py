@@ -240,6 +240,7 @@ class Trainer:
                     tokens=tokens,
                     duration_s=duration_s,
                     token_stats=token_stats,
+                    final=self.done(),
                 ),
                 run_id=self.run_id,
                 event_id=ids.step_event_id(self.run_id, step),
