@@ -14,9 +14,11 @@ every turn's generation (tokens, logprobs and routing trace, put first), each ep
 rollout, heartbeats, then the trainer's step, policy version and weights. A scorer reads the
 generations and a trainer the rollouts through durable pull consumers, each fetching what the
 real one reads from the store. Then three short probes measure each path alone: the log's event
-rate, payload put and payload get. Headroom is a measured rate over the seed's required rate;
-the lowest of the probes' headrooms names what saturates first (and the step's CPU says whether
-this machine's cores were the bound).
+rate, payload put and payload get. Headroom is a measured rate over the seed's required rate:
+the step's (sustained in the scaled shape) and each path's alone (the probes; the weights are
+their put plus every worker's get through the same store, payload put and get the other
+arrays). The lowest of the paths' headrooms names what saturates first, with the next, and the
+step's CPU says whether this machine's cores were the bound.
 
     python bench/scale_sim.py [--paper] [--store objstore,file|mooncake|all] [--rollouts 8]
         [--tokens 16384] [--turns 8] [--publishers 4] [--budget-s 60] [--load N]
@@ -527,6 +529,19 @@ class Rates:
     def get_total(self) -> float:
         return sum(self.get.values())
 
+    @property
+    def put_arrays(self) -> float:
+        """Payload bytes put but the weights (tokens, logprobs, traces, episodes, stats)."""
+        return self.put_total - self.put.get("weights", 0.0)
+
+    @property
+    def get_arrays(self) -> float:
+        return self.get_total - self.get.get("weights", 0.0)
+
+    @property
+    def weights(self) -> float:
+        return self.put.get("weights", 0.0) + self.get.get("weights", 0.0)
+
 
 def rates(t: Traffic, seconds: float) -> Rates:
     """``t`` spread over ``seconds`` (a zero or negative time moves nothing: all rates 0)."""
@@ -611,14 +626,30 @@ def headroom_line(name: str, measured: float | None, needed: float, why: str = "
     return f"{head} {fmt_x(x)} seed {TARGET}"
 
 
+def shared_headroom(loads: list[tuple[float, float | None]]) -> float | None:
+    """Headroom of one path doing several things in turn: each ``(needed, capacity)`` takes
+    ``needed / capacity`` of its time (the weights: one put, then every worker's get)."""
+    busy = 0.0
+    for needed, capacity in loads:
+        if capacity is None:
+            return None
+        if needed > 0:
+            if capacity <= 0:
+                return 0.0
+            busy += needed / capacity
+    return 1.0 / busy if busy > 0 else None
+
+
 def first_to_saturate(paths: dict[str, float | None], cpu: str = "") -> str:
-    """The path with the lowest headroom; ``cpu``: the step's CPU figure when it was the bound."""
-    measured = {k: v for k, v in paths.items() if v is not None}
+    """The path with the lowest headroom, and the next; ``cpu``: the step's CPU figure when
+    it was the bound."""
+    measured = sorted(((v, k) for k, v in paths.items() if v is not None), key=lambda vk: vk[0])
     if not measured:
         return "scale first to saturate: not measured (no path was measured)"
-    name = min(measured, key=lambda k: measured[k])
+    (x, name), rest = measured[0], measured[1:]
+    then = f", then {rest[0][1]} ({fmt_x(rest[0][0])} seed)" if rest else ""
     tail = f"; CPU-bound: {cpu}" if cpu else ""
-    return f"scale first to saturate: {name} ({fmt_x(measured[name])} seed{tail})"
+    return f"scale first to saturate: {name} ({fmt_x(x)} seed{then}{tail})"
 
 
 # --------------------------------------------------------------------------- CPU
@@ -977,22 +1008,23 @@ def summary(
         headroom_line(
             f"trace bytes ({store})", of(lambda r: r.put.get("trace", 0.0)), seed.put.get("trace", 0.0), why
         ),
-        headroom_line(f"payload put ({store})", of(lambda r: r.put_total), seed.put_total, why),
-        headroom_line(f"payload get ({store})", of(lambda r: r.get_total), seed.get_total, why),
-        headroom_line(
-            f"weights ({store})",
-            of(lambda r: r.put.get("weights", 0.0) + r.get.get("weights", 0.0)),
-            seed.put.get("weights", 0.0) + seed.get.get("weights", 0.0),
-            why,
-        ),
+        headroom_line(f"payload put ({store})", of(lambda r: r.put_arrays), seed.put_arrays, why),
+        headroom_line(f"payload get ({store})", of(lambda r: r.get_arrays), seed.get_arrays, why),
+        headroom_line(f"weights ({store})", of(lambda r: r.weights), seed.weights, why),
     ]
     paths: dict[str, float | None] = {
         "the log's event rate": headroom(
             min(probes["log publish"].rate, probes["log consume"].rate) if "log publish" in probes else None,
             seed.events_total,
         ),
-        "payload put": headroom(probes["put"].rate if "put" in probes else None, seed.put_total),
-        "payload get": headroom(probes["get"].rate if "get" in probes else None, seed.get_total),
+        "payload put": headroom(probes["put"].rate if "put" in probes else None, seed.put_arrays),
+        "payload get": headroom(probes["get"].rate if "get" in probes else None, seed.get_arrays),
+        "weights": shared_headroom(
+            [
+                (seed.put.get("weights", 0.0), probes["put"].rate if "put" in probes else None),
+                (seed.get.get("weights", 0.0), probes["get"].rate if "get" in probes else None),
+            ]
+        ),
     }
     for name, x in paths.items():
         lines.append(

@@ -139,9 +139,17 @@ def test_first_to_saturate(sim: ModuleType) -> None:
     assert sim.first_to_saturate({}) == "scale first to saturate: not measured (no path was measured)"
     assert "not measured" in sim.first_to_saturate({"payload put": None})
     line = sim.first_to_saturate({"the log's event rate": 200.0, "payload put": 0.04, "payload get": None})
-    assert line == "scale first to saturate: payload put (0.04x seed)"
+    assert line == "scale first to saturate: payload put (0.04x seed, then the log's event rate (200x seed))"
     line = sim.first_to_saturate({"payload get": 0.0}, cpu="client 98% of a core")
     assert line == "scale first to saturate: payload get (0x seed; CPU-bound: client 98% of a core)"
+
+
+def test_shared_headroom(sim: ModuleType) -> None:
+    # One put of 10 B/s at 100 B/s, gets of 40 B/s at 100 B/s: busy half the time.
+    assert sim.shared_headroom([(10.0, 100.0), (40.0, 100.0)]) == pytest.approx(2.0)
+    assert sim.shared_headroom([(10.0, 100.0), (40.0, 0.0)]) == 0.0
+    assert sim.shared_headroom([(10.0, None)]) is None
+    assert sim.shared_headroom([(0.0, 5.0)]) is None
 
 
 def test_cpu_bound(sim: ModuleType) -> None:
@@ -157,6 +165,7 @@ def test_summary_without_a_step_or_probes(sim: ModuleType, seed_traffic: Any) ->
     lines = sim.summary("objstore", None, {}, seed, "no server")
     assert all(line.startswith("scale ") for line in lines)
     assert sum("not measured (no server)" in line for line in lines) == 6
+    assert sum("alone: not measured" in line for line in lines) == 4
     assert lines[-1] == "scale first to saturate (objstore): not measured (no path was measured)"
 
 
@@ -166,7 +175,11 @@ def test_summary_of_a_step_that_moved_nothing(sim: ModuleType, seed_traffic: Any
     probes = {"log publish": sim.Probe(0, 0.0), "log consume": sim.Probe(0, 6.0), "put": sim.Probe(0, 6.0)}
     lines = sim.summary("file", run, probes, seed)
     assert "scale headroom events (file): too slow to measure (past its 60 s budget)" in lines[0]
-    assert lines[-1] == "scale first to saturate (file): the log's event rate (0x seed)"
+    # A tie keeps the paths' order.
+    assert (
+        lines[-1]
+        == "scale first to saturate (file): the log's event rate (0x seed, then payload put (0x seed))"
+    )
 
 
 def test_summary_names_the_lowest_path(sim: ModuleType, seed_traffic: Any) -> None:
@@ -183,5 +196,10 @@ def test_summary_names_the_lowest_path(sim: ModuleType, seed_traffic: Any) -> No
     events = 60.0 / seed.events_total
     assert lines[0] == f"scale headroom events (objstore) {sim.fmt_x(events)} seed (target >= 1x)"
     assert f"alone: {sim.fmt_x(5_000 / seed.events_total)} seed" in lines[6]
-    get = 1e7 / seed.get_total
-    assert lines[-1] == f"scale first to saturate (objstore): payload get ({sim.fmt_x(get)} seed)"
+    weights = 1 / (seed.put["weights"] / 2e8 + seed.get["weights"] / 1e7)
+    get = 1e7 / seed.get_arrays
+    assert lines[-1] == (
+        f"scale first to saturate (objstore): weights ({sim.fmt_x(weights)} seed,"
+        f" then payload get ({sim.fmt_x(get)} seed))"
+    )
+    assert seed.get_arrays == pytest.approx(seed.get["trainer"] + seed.get["scorer"])
