@@ -128,4 +128,4 @@ async def test_a_run_on_a_cluster_is_replicated(nodes: int, replicas: int, tmp_p
         for stream in (stream_name("r1"), f"OBJ_{payload_bucket('r1')}"):
             c = await cluster.stream_cluster(stream)
             assert c.leader in cluster.names()
-            assert sorted([str(c.leader), *(p.name for p in c.replicas or [])]) == cluster.names()
+            assert sorted([str(c.leader), *(str(p.name) for p in c.replicas or [])]) == cluster.names()
