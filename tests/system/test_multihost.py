@@ -1,0 +1,127 @@
+"""A run over three "hosts" (network namespaces this test makes): a 3-node NATS JetStream
+cluster spread over them, the trainer on one, inference on another, the producer, the recorder
+and the coordinator on the third, each started with `jetrl part` / `jetrl run --parts none` as
+on separate machines. The hosts reach each other only over their private subnet; the run must
+keep the invariants of a run on one machine."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jetrl.bus import events as ev
+from jetrl.bus.server import find_binary
+from jetrl.deploy.nats_cluster import plan_cluster, render_node
+from jetrl.store import queries
+from jetrl.store.db import open_store
+from tests.support import netns
+from tests.support.dump_log import load
+from tests.support.invariants import assert_run_invariants
+
+pytestmark = [pytest.mark.slow]
+
+STEPS = 4
+MAX_OFF = 1
+RUN = "multihost"
+JETRL = [sys.executable, "-m", "jetrl.deploy.cli"]
+
+
+@pytest.fixture
+def hosts():
+    why = netns.why_not()
+    if why is not None:
+        pytest.skip(f"no network namespaces here: {why}")
+    h = netns.Hosts(3).up()
+    yield h
+    h.down()
+    assert h.exists() == [], "a namespace of the test was left behind"
+
+
+def wait_ready(hosts: netns.Hosts, url: str, timeout: float = 60.0) -> None:
+    """Until the cluster takes a JetStream request, asked from inside the third host."""
+    probe = (
+        "import asyncio, sys\n"
+        "from jetrl.bus.client import Bus\n"
+        "async def go():\n"
+        "    b = await Bus.connect(sys.argv[1], connect_timeout=2)\n"
+        "    await b.js.account_info()\n"
+        "    print(b.cluster_size())\n"
+        "    await b.close()\n"
+        "asyncio.run(go())\n"
+    )
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        r = hosts.run(2, [sys.executable, "-c", probe, url], timeout=30)
+        if r.returncode == 0 and r.stdout.strip() == "3":
+            return
+        last = r.stderr[-500:] or r.stdout
+        time.sleep(1.0)
+    raise AssertionError(f"the cluster did not form: {last}")
+
+
+def test_a_run_over_three_hosts_keeps_the_invariants(hosts: netns.Hosts, tmp_path: Path) -> None:
+    trainer_host, inference_host, control_host = 0, 1, 2
+    spec = plan_cluster(hosts.addresses, store_dir=str(tmp_path / "nats" / "{server}"))
+    url = spec.client_url_list()
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    run_dir = tmp_path / RUN  # the hosts' shared filesystem
+    db = f"sqlite:///{tmp_path / 'store.db'}"
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(name: str, host: int, argv: list[str]) -> None:
+        procs[name] = hosts.popen(
+            host, argv, out=(logs / f"{name}.log").open("wb"), env={"JETRL_LOG_JSON": "1"}
+        )
+
+    def output(name: str) -> str:
+        return (logs / f"{name}.log").read_text(errors="replace")[-3000:]
+
+    try:
+        for i, node in enumerate(spec.nodes):
+            conf = tmp_path / f"{node.server_name}.conf"
+            conf.write_text(render_node(spec, node))
+            start(node.server_name, i, [find_binary(), "-c", str(conf)])
+        wait_ready(hosts, url)
+        part = [*JETRL, "part"]
+        common = ["--nats-url", url, "--run", RUN, "--run-dir", str(run_dir)]
+        start("trainer", trainer_host, [*part, "trainer", *common])
+        start("inference", inference_host, [*part, "inference", *common, "--worker-id", "inf-h1"])
+        start("producer", control_host, [*part, "producer", *common])
+        start("recorder", control_host, [*part, "recorder", *common, "--db", db])
+        overrides = [
+            *("--trainer.max_steps", str(STEPS), "--trainer.batch_groups", "2"),
+            *("--trainer.max_off_policy_steps", str(MAX_OFF), "--trainer.checkpoint_every", "2"),
+            *("--envs.0.name", "reverse", "--envs.0.group_size", "4"),
+            *("--bus.max_gib", "0.25", "--bus.payload_max_gib", "0.5"),
+        ]
+        coordinator = [*JETRL, "run", "--nats-url", url, "--run-id", RUN, "--parts", "none", "--db", db]
+        start("coordinator", control_host, [*coordinator, "--runs-dir", str(tmp_path), *overrides])
+        assert procs["coordinator"].wait(420) == 0, output("coordinator")
+        for name in ("trainer", "inference", "producer", "recorder"):
+            assert procs[name].wait(120) == 0, f"{name}: {output(name)}"
+        dump = tmp_path / "log.msgpack"
+        r = hosts.run(control_host, [sys.executable, "-m", "tests.support.dump_log", url, RUN, str(dump)])
+        assert r.returncode == 0, r.stderr[-2000:]
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    log = load(dump)
+    assert_run_invariants(log, steps=STEPS, rollouts_per_step=2 * 4, max_off=MAX_OFF)
+    # The worker on the second host loaded the trainer's weights: they came over the cluster.
+    assert "inf-h1" in {e.body.worker_id for e in log if isinstance(e.body, ev.WeightsLoaded)}
+    assert (run_dir / "trainer").is_dir(), "the trainer's checkpoints are in the shared run directory"
+    store = open_store(db)
+    try:
+        assert [h.step for h in queries.step_history(store, RUN)] == list(range(STEPS))
+        assert queries.recorded_seq(store, RUN) == len(log)
+    finally:
+        store.close()
