@@ -56,6 +56,7 @@ from jetrl.bus.payloads import (
     Buffer,
     FilePayloads,
     ObjectStorePayloads,
+    PayloadMissing,
     Payloads,
     PayloadStore,
 )
@@ -649,6 +650,8 @@ def first_to_saturate(paths: dict[str, float | None], cpu: str = "") -> str:
     (x, name), rest = measured[0], measured[1:]
     then = f", then {rest[0][1]} ({fmt_x(rest[0][0])} seed)" if rest else ""
     tail = f"; CPU-bound: {cpu}" if cpu else ""
+    unmeasured = [k for k, v in paths.items() if v is None]
+    tail += f"; not measured: {', '.join(unmeasured)}" if unmeasured else ""
     return f"scale first to saturate: {name} ({fmt_x(x)} seed{then}{tail})"
 
 
@@ -949,20 +952,26 @@ async def probe_store(
             asyncio.gather(*(putter(w, t0 + seconds) for w in range(parallel))), seconds * 4
         )
     put = Probe(len(refs) * size, time.perf_counter() - t0)
-    got = 0
+    got, missing = 0, 0
 
     async def getter(mine: list[ev.PayloadRef], end: float) -> None:
-        nonlocal got
+        nonlocal got, missing
         for r in mine:
             if time.perf_counter() >= end:
                 return
-            got += len(await payloads.get_bytes(r))
+            try:
+                got += len(await payloads.get_bytes(r))
+            except PayloadMissing:  # a store that evicts (Mooncake's segment) lost the older ones
+                missing += 1
 
+    newest = refs[::-1]  # the last put first: what a store that evicts still holds
     t1 = time.perf_counter()
     with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
         await asyncio.wait_for(
-            asyncio.gather(*(getter(refs[w::parallel], t1 + seconds) for w in range(parallel))), seconds * 4
+            asyncio.gather(*(getter(newest[w::parallel], t1 + seconds) for w in range(parallel))), seconds * 4
         )
+    if missing:
+        print(f"  get probe: {missing} of the {len(refs)} objects put were gone (evicted)")
     return put, Probe(got, time.perf_counter() - t1)
 
 
@@ -1058,10 +1067,13 @@ async def bench_store(
     print(f"  probes: {args.probe_s:.0f} s per path", flush=True)
     try:
         probes["log publish"], probes["log consume"] = await probe_log(bus, run_id, shape, args.probe_s)
+    except Exception as exc:  # a probe that fails is reported, never the end of the report
+        print(f"  log probe failed: {type(exc).__name__}: {exc}")
+    try:
         size = max(1 << 20, min(final_trace_bytes(shape), 64 << 20))
         probes["put"], probes["get"] = await probe_store(payloads, size, args.probe_s)
-    except Exception as exc:  # a probe that fails is reported, never the end of the report
-        print(f"  probe failed: {type(exc).__name__}: {exc}")
+    except Exception as exc:
+        print(f"  store probe failed: {type(exc).__name__}: {exc}")
     for name, p in probes.items():
         unit = "events/s" if name.startswith("log") else "MB/s"
         value = p.rate if unit == "events/s" else p.rate / MB

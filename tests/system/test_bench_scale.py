@@ -138,8 +138,16 @@ def test_headroom_lines(sim: ModuleType) -> None:
 def test_first_to_saturate(sim: ModuleType) -> None:
     assert sim.first_to_saturate({}) == "scale first to saturate: not measured (no path was measured)"
     assert "not measured" in sim.first_to_saturate({"payload put": None})
+    line = sim.first_to_saturate({"the log's event rate": 85.0, "payload put": None, "weights": None})
+    assert (
+        line
+        == "scale first to saturate: the log's event rate (85.0x seed; not measured: payload put, weights)"
+    )
     line = sim.first_to_saturate({"the log's event rate": 200.0, "payload put": 0.04, "payload get": None})
-    assert line == "scale first to saturate: payload put (0.04x seed, then the log's event rate (200x seed))"
+    assert line == (
+        "scale first to saturate: payload put (0.04x seed, then the log's event rate (200x seed);"
+        " not measured: payload get)"
+    )
     line = sim.first_to_saturate({"payload get": 0.0}, cpu="client 98% of a core")
     assert line == "scale first to saturate: payload get (0x seed; CPU-bound: client 98% of a core)"
 
@@ -176,9 +184,9 @@ def test_summary_of_a_step_that_moved_nothing(sim: ModuleType, seed_traffic: Any
     lines = sim.summary("file", run, probes, seed)
     assert "scale headroom events (file): too slow to measure (past its 60 s budget)" in lines[0]
     # A tie keeps the paths' order.
-    assert (
-        lines[-1]
-        == "scale first to saturate (file): the log's event rate (0x seed, then payload put (0x seed))"
+    assert lines[-1] == (
+        "scale first to saturate (file): the log's event rate (0x seed, then payload put (0x seed);"
+        " not measured: payload get)"
     )
 
 
