@@ -2,26 +2,28 @@
 
 Each process that uses the store runs one transfer engine (``mooncake-transfer-engine``; TCP on
 any machine, RDMA where there are NICs for it), started on first use with peer-to-peer
-handshakes: no metadata server and no master. A write copies the bytes into a buffer of the
-writer's own, registered with its engine, behind a 32-byte header naming the object; the
-reference says where: ``bucket`` is the writer's engine ("host:port") and ``name`` the object's
-name, buffer address and id. A reader pulls the bytes straight into its own memory with one
-one-sided read, then reads the header again: a buffer evicted (or reused for another object)
-meanwhile no longer carries the id, and the read fails as :class:`PayloadMissing` rather than
-returning bytes of another object. Buffers are written once and never changed while
-registered, and an evicted one is released only ``timeout_s`` later, so a read in flight never
-touches freed memory.
+handshakes: no metadata server and no master. A write registers the bytes with the writer's
+engine (``bytes`` where they lie; a buffer its owner may change, as a copy) and writes a
+32-byte header naming the object into a registered header table. The reference says where:
+``bucket`` is the writer's engine ("host:port"), ``name`` the object's name, the addresses of
+its bytes and header, and its id. A reader pulls the bytes straight into its own memory with
+one one-sided read, then reads the header: evicting an object zeroes its header first, so a
+read that overlapped an eviction (or the reuse of the memory for another object) fails as
+:class:`PayloadMissing` instead of returning another object's bytes. Evicted memory is
+released ``RELEASE_S`` after it is unregistered, so a send in flight never reads freed memory.
 
-The writer bounds what it holds (:class:`MooncakeSettings`: ``keep_objects``, ``keep_mib``; the
-oldest evicted first, the newest two always kept). A dead writer, an evicted object, or a read
-past ``timeout_s`` raise :class:`PayloadMissing`; the bytes' size and SHA-256 are checked by
-:class:`~jetrl.bus.payloads.Payloads` as for every store.
+The writer bounds what it holds (:class:`~jetrl.bus.settings.MooncakeSettings`:
+``keep_objects``, ``keep_mib``; the oldest evicted first, the newest two always kept). A dead
+writer, an evicted object, or a read past ``timeout_s`` raise :class:`PayloadMissing`; the
+bytes' size and SHA-256 are checked by :class:`~jetrl.bus.payloads.Payloads` as for every
+store.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import ctypes
 import hashlib
 import importlib
 import os
@@ -42,6 +44,10 @@ log = get_logger(__name__)
 MAGIC = b"JETRLMC1"
 HEADER = 32  # MAGIC, the object's 16-byte id, its size (little-endian u64)
 _CHUNK = 8 << 20  # copied and hashed in chunks that stay in cache between the two
+# An evicted object's memory is kept this long after it is unregistered: a send the engine
+# started before still reads it. (The memory held is the objects kept plus what was evicted
+# in the last RELEASE_S seconds: at most one weights version a step.)
+RELEASE_S = 10.0
 
 
 def advertised_host(settings: MooncakeSettings) -> str:
@@ -60,8 +66,30 @@ def _address(buf: np.ndarray) -> int:
 
 @dataclass
 class _Held:
-    buf: np.ndarray  # header + data, registered with the engine
+    data: bytes | np.ndarray  # registered with the engine: the writer's bytes, or a copy
+    slot: int  # its header's place in the header table
     size: int
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_MADV_HUGEPAGE = 14
+_HUGE = 2 << 20
+
+
+def _huge_pages(addr: int, size: int) -> None:
+    """Ask for transparent huge pages over the not yet touched ``[addr, addr + size)``: a
+    buffer of hundreds of MB is faulted in a few hundred times instead of ~10^5 (a no-op where
+    the kernel has them off)."""
+    start, end = -(-addr // _HUGE) * _HUGE, (addr + size) // _HUGE * _HUGE
+    if end - start >= _HUGE:
+        _libc.madvise(start, end - start, _MADV_HUGEPAGE)
+
+
+def _new_buffer(size: int) -> np.ndarray:
+    buf = np.empty(size, dtype=np.uint8)
+    _huge_pages(_address(buf), size)
+    return buf
 
 
 class MooncakePayloads:
@@ -78,7 +106,13 @@ class MooncakePayloads:
         self._start_lock = threading.Lock()
         self._lock = threading.Lock()  # the held objects (puts run in threads)
         self._held: collections.OrderedDict[bytes, _Held] = collections.OrderedDict()
-        self._released: list[tuple[float, np.ndarray]] = []  # evicted, freed after timeout_s
+        # One header per held object, in one registered table; a slot is zeroed when its
+        # object is evicted.
+        self._headers = np.zeros(self.s.keep_objects * HEADER, dtype=np.uint8)
+        self._free_slots = list(range(self.s.keep_objects))
+        self._spare: np.ndarray | None = None  # an evicted copy, reused for the next one
+        self._registered: collections.Counter[int] = collections.Counter()  # bytes put twice
+        self._released: list[tuple[float, bytes | np.ndarray]] = []  # freed after timeout_s
 
     # ------------------------------------------------------------------ the engine
 
@@ -98,6 +132,8 @@ class MooncakePayloads:
                     raise PayloadError(
                         f"mooncake transfer engine did not start on {self.host} ({self.s.protocol}): rc {rc}"
                     )
+                if engine.register_memory(_address(self._headers), self._headers.size) != 0:
+                    raise PayloadError("mooncake could not register the header table")
                 self._session = f"{self.host}:{engine.get_rpc_port()}"
                 self._engine = engine
                 log.info("mooncake_started", session=self._session, protocol=self.s.protocol)
@@ -120,40 +156,78 @@ class MooncakePayloads:
         engine = self._start()
         src = np.frombuffer(data, dtype=np.uint8)
         size = int(src.size)
+        held: bytes | np.ndarray
+        if isinstance(data, bytes):  # immutable: served where it lies, no copy
+            held, digest = data, hashlib.sha256(data).hexdigest()
+            with self._lock:
+                first = size and not self._registered[_address(src)]
+                if first and engine.register_memory(_address(src), size) != 0:
+                    raise PayloadError(f"mooncake could not register {size} bytes for {name}")
+                self._registered[_address(src)] += 1
+        else:  # a buffer its owner may change: a copy, hashed as it is made
+            with self._lock:
+                spare, self._spare = self._spare, None
+            if spare is not None and spare.size != size:
+                with self._lock:
+                    self._release(engine, spare)
+                spare = None
+            held = spare if spare is not None else _new_buffer(size)
+            h = hashlib.sha256()
+            for off in range(0, size, _CHUNK):
+                part = src[off : off + _CHUNK]
+                held[off : off + part.size] = part
+                h.update(part.data)
+            digest = h.hexdigest()
+            if spare is None and size and engine.register_memory(_address(held), size) != 0:
+                raise PayloadError(f"mooncake could not register {size} bytes for {name}")
+        data_addr = _address(np.frombuffer(held, dtype=np.uint8)) if size else 0
         oid = os.urandom(16)
-        buf = np.empty(HEADER + size, dtype=np.uint8)
-        digest = hashlib.sha256()
-        for off in range(0, size, _CHUNK):
-            part = src[off : off + _CHUNK]
-            buf[HEADER + off : HEADER + off + part.size] = part
-            digest.update(part)
-        buf[:HEADER] = np.frombuffer(_header(oid, size), dtype=np.uint8)
-        addr = _address(buf)
-        if engine.register_memory(addr, buf.size) != 0:
-            raise PayloadError(f"mooncake could not register {buf.size} bytes for {name}")
         with self._lock:
-            self._held[oid] = _Held(buf, size)
-            self._evict(engine)
+            self._evict(engine, incoming=size)
+            slot = self._free_slots.pop()
+            self._headers[slot * HEADER : (slot + 1) * HEADER] = np.frombuffer(_header(oid, size), np.uint8)
+            self._held[oid] = _Held(held, slot, size)
+        head = _address(self._headers) + slot * HEADER
         return ev.PayloadRef(
             store=self.kind,
             bucket=self._session,
-            name=f"{name}#{addr:x}#{oid.hex()}",
+            name=f"{name}#{data_addr:x}#{head:x}#{oid.hex()}",
             size=size,
-            sha256=digest.hexdigest(),
+            sha256=digest,
         )
 
-    def _evict(self, engine: Any) -> None:
-        """Past the limits, unregister the oldest objects (never the newest two); free the
-        buffers evicted more than ``timeout_s`` ago."""
+    def _evict(self, engine: Any, incoming: int) -> None:
+        """Make room for one more object of ``incoming`` bytes: evict the oldest past the
+        limits, but never the newest one (with the new one, the newest two stay). An evicted
+        object's header is zeroed, so a read of it fails however far it got; a copy is kept
+        as the spare for the next, anything else unregistered and released."""
+        limit = int(self.s.keep_mib * (1 << 20))
+        total = incoming + sum(h.size for h in self._held.values())
+        while len(self._held) > 1 and (len(self._held) + 1 > self.s.keep_objects or total > limit):
+            _, old = self._held.popitem(last=False)
+            self._headers[old.slot * HEADER : (old.slot + 1) * HEADER] = 0
+            self._free_slots.append(old.slot)
+            total -= old.size
+            if isinstance(old.data, np.ndarray) and self._spare is None:
+                self._spare = old.data  # stays registered: its next object gets another header
+            else:
+                self._release(engine, old.data)
+
+    def _release(self, engine: Any, data: bytes | np.ndarray) -> None:
+        """Unregister ``data``; drop it ``RELEASE_S`` later (a send already under way may still
+        read it), and what was released before that now."""
+        view = np.frombuffer(data, dtype=np.uint8)
+        addr = _address(view)
+        if isinstance(data, bytes):  # the same bytes may be held under several names
+            self._registered[addr] -= 1
+            if self._registered[addr] > 0:
+                return
+            del self._registered[addr]
+        if view.size:
+            engine.unregister_memory(addr)
         now = time.monotonic()
         self._released = [(t, b) for t, b in self._released if t > now]
-        limit = int(self.s.keep_mib * (1 << 20))
-        total = sum(h.size for h in self._held.values())
-        while len(self._held) > 2 and (len(self._held) > self.s.keep_objects or total > limit):
-            _, old = self._held.popitem(last=False)
-            engine.unregister_memory(_address(old.buf))
-            self._released.append((now + self.s.timeout_s, old.buf))
-            total -= old.size
+        self._released.append((now + RELEASE_S, data))
 
     def held(self) -> tuple[int, int]:
         """(objects, bytes) this writer holds readable."""
@@ -164,38 +238,40 @@ class MooncakePayloads:
 
     async def get_bytes(self, ref: ev.PayloadRef) -> bytes:
         try:
-            name, addr_hex, oid_hex = ref.name.rsplit("#", 2)
-            addr, oid = int(addr_hex, 16), bytes.fromhex(oid_hex)
+            name, data_hex, head_hex, oid_hex = ref.name.rsplit("#", 3)
+            data_addr, head_addr, oid = int(data_hex, 16), int(head_hex, 16), bytes.fromhex(oid_hex)
         except ValueError:
             raise PayloadError(f"{ref.name!r} is not a mooncake object reference") from None
         try:
             return await asyncio.wait_for(
-                asyncio.to_thread(self._read, ref.bucket, name, addr, oid, ref.size), self.s.timeout_s
+                asyncio.to_thread(self._read, ref.bucket, name, data_addr, head_addr, oid, ref.size),
+                self.s.timeout_s,
             )
         except TimeoutError:
             raise PayloadMissing(
                 f"payload {name} from {ref.bucket}: no answer within {self.s.timeout_s:g} s"
             ) from None
 
-    def _read(self, session: str, name: str, addr: int, oid: bytes, size: int) -> bytes:
+    def _read(self, session: str, name: str, data_addr: int, head_addr: int, oid: bytes, size: int) -> bytes:
         engine = self._start()
         # The bytes land in a new bytes object that no one else holds yet (zero pages until
         # written), so none is copied after the read; bytes of 0 or 1 are shared singletons.
         out: bytes | bytearray = bytes(size) if size > 1 else bytearray(size)
-        head = np.zeros(HEADER, dtype=np.uint8)
         local = _address(np.frombuffer(out, dtype=np.uint8)) if size else 0
+        _huge_pages(local, size)
+        head = np.zeros(HEADER, dtype=np.uint8)
         regs = [(_address(head), HEADER)] + ([(local, size)] if size else [])
         for a, n in regs:
             if engine.register_memory(a, n) != 0:
                 raise PayloadError(f"mooncake could not register {n} bytes to read {name} into")
         try:
-            if size and engine.transfer_sync_read(session, local, addr + HEADER, size) != 0:
+            if size and engine.transfer_sync_read(session, local, data_addr, size) != 0:
                 raise PayloadMissing(f"payload {name}: {session} did not serve it (writer gone, or evicted)")
-            # Still this object after the read: it was this object's bytes throughout.
-            if engine.transfer_sync_read(session, _address(head), addr, HEADER) != 0:
-                raise PayloadMissing(f"payload {name}: evicted by {session} (or the writer is gone)")
+            # Its header still there after the read: the bytes read were this object's throughout.
+            if engine.transfer_sync_read(session, _address(head), head_addr, HEADER) != 0:
+                raise PayloadMissing(f"payload {name}: {session} did not serve its header (writer gone)")
             if head.tobytes() != _header(oid, size):
-                raise PayloadMissing(f"payload {name}: evicted by {session}, its buffer reused")
+                raise PayloadMissing(f"payload {name}: evicted by {session}")
         finally:
             for a, _ in regs:
                 engine.unregister_memory(a)

@@ -29,6 +29,8 @@ pytest.importorskip("mooncake.engine")
 
 # The writer: one command a line on stdin, one answer a line on stdout.
 #   blob NAME SIZE SEED   -> the reference of SIZE seeded random bytes
+#   buffer NAME SIZE SEED -> the same, from a bytearray (the store keeps a copy)
+#   again NAME            -> the last bytes put again, under another name
 #   array NAME            -> the reference of a uint16 array (a routing trace)
 #   held                  -> [objects, bytes]
 WRITER = r"""
@@ -43,9 +45,14 @@ async def main():
     pay = Payloads(store, inline_threshold=1024)
     for line in sys.stdin:
         cmd, *args = line.split()
-        if cmd == "blob":
+        if cmd in ("blob", "buffer"):
             data = np.random.default_rng(int(args[2])).bytes(int(args[1]))
+            if cmd == "buffer":
+                data = bytearray(data)
+            last = data
             out = msgspec.json.encode(await store.put(args[0], data)).decode()
+        elif cmd == "again":
+            out = msgspec.json.encode(await store.put(args[0], last)).decode()
         elif cmd == "array":
             trace = np.arange(300_000, dtype=np.uint16).reshape(1000, 30, 10)
             out = msgspec.json.encode(await pay.put_array(args[0], trace)).decode()
@@ -76,8 +83,8 @@ class Writer:
         assert answer, f"the writer died ({self.proc.poll()})"
         return answer
 
-    def blob(self, name: str, size: int, seed: int = 0) -> ev.PayloadRef:
-        return msgspec.json.decode(self.ask(f"blob {name} {size} {seed}"), type=ev.PayloadRef)
+    def blob(self, name: str, size: int, seed: int = 0, *, cmd: str = "blob") -> ev.PayloadRef:
+        return msgspec.json.decode(self.ask(f"{cmd} {name} {size} {seed}"), type=ev.PayloadRef)
 
     def held(self) -> tuple[int, int]:
         objects, nbytes = json.loads(self.ask("held"))
@@ -107,7 +114,7 @@ async def test_blob_and_array_round_trip_between_processes(writer: Writer) -> No
     # Readers pull concurrently.
     both = await asyncio.gather(pay.get_bytes(ref), pay.get_bytes(ref))
     assert both[0] == both[1]
-    arr_ref = msgspec.json.decode(writer.ask("array trace-g1-0"), type=ev.ArrayRef)  # type: ignore[arg-type]
+    arr_ref = msgspec.json.decode(writer.ask("array trace-g1-0"), type=ev.ArrayRef)
     assert isinstance(arr_ref, ev.PayloadRef) and arr_ref.dtype == "uint16"
     back = await pay.get_array(arr_ref)
     assert np.array_equal(back, np.arange(300_000, dtype=np.uint16).reshape(1000, 30, 10))
@@ -122,9 +129,10 @@ async def test_a_wrong_hash_or_size_fails_loudly(writer: Writer) -> None:
         await pay.get_bytes(msgspec.structs.replace(ref, size=ref.size + 1))
 
 
-async def test_evicted_objects_are_missing_and_the_writer_stays_bounded(writer: Writer) -> None:
+@pytest.mark.parametrize("cmd", ["blob", "buffer"])
+async def test_evicted_objects_are_missing_and_the_writer_stays_bounded(writer: Writer, cmd: str) -> None:
     pay = reader()
-    refs = [writer.blob(f"weights-v{v}", 1_000_000, seed=v) for v in range(5)]
+    refs = [writer.blob(f"weights-v{v}", 1_000_000, seed=v, cmd=cmd) for v in range(5)]
     assert writer.held() == (3, 3_000_000)  # keep_objects = 3
     for ref in refs[:2]:
         with pytest.raises(PayloadMissing):
@@ -132,13 +140,21 @@ async def test_evicted_objects_are_missing_and_the_writer_stays_bounded(writer: 
     assert await pay.get_bytes(refs[-1]) == np.random.default_rng(4).bytes(1_000_000)
     # keep_mib = 64: two of 40 MB are kept though over it (the newest two always are), a
     # third evicts the oldest.
-    big = [writer.blob(f"weights-v{v}", 40_000_000, seed=v) for v in (5, 6, 7)]
+    big = [writer.blob(f"weights-v{v}", 40_000_000, seed=v, cmd=cmd) for v in (5, 6, 7)]
     objects, nbytes = writer.held()
     assert objects == 2 and nbytes == 80_000_000
     with pytest.raises(PayloadMissing):
         await pay.get_bytes(big[0])
+    # The same bytes put twice: held under both names, readable while either is.
+    again = msgspec.json.decode(writer.ask("again weights-v7b"), type=ev.PayloadRef)
+    assert again.sha256 == big[2].sha256
+    assert await pay.get_bytes(again) == await pay.get_bytes(big[2])
+    big[1:] = [big[2], again]
+    # The newest two read back (with a copy, in a buffer an evicted object held before).
+    for v, ref in ((7, big[1]), (7, big[2])):
+        assert await pay.get_bytes(ref) == np.random.default_rng(v).bytes(40_000_000)
     # A reference to an address no buffer of the writer's covers.
-    bogus = msgspec.structs.replace(refs[-1], name="weights-v4#10#" + "00" * 16)
+    bogus = msgspec.structs.replace(refs[-1], name="weights-v4#10#20#" + "00" * 16)
     with pytest.raises(PayloadMissing):
         await pay.get_bytes(bogus)
 

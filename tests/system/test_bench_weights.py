@@ -1,0 +1,59 @@
+"""bench/weights.py's figures on what a slow machine leaves: no round measured, no floor, a
+zero floor. A clear line, never a crash; no store or worker is started."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))  # it imports its neighbour load.py
+    spec = importlib.util.spec_from_file_location("bench_weights", BENCH / "weights.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_median_and_ratio_of_nothing(bench: ModuleType) -> None:
+    assert bench.median([]) is None
+    assert bench.median([3.0, 1.0, 2.0]) == 2.0
+    assert bench.ratio(None, 1.0) is None
+    assert bench.ratio(1.0, None) is None
+    assert bench.ratio(1.0, 0.0) is None
+    assert bench.ratio(3.0, 2.0) == 1.5
+
+
+def test_best_store_skips_what_was_not_measured(bench: ModuleType) -> None:
+    assert bench.best_store({}) is None
+    assert bench.best_store({"objstore": None, "file": None}) is None
+    assert bench.best_store({"objstore": None, "file": 0.5, "mooncake": 0.3}) == ("mooncake", 0.3)
+
+
+def test_summary_lines(bench: ModuleType) -> None:
+    assert "too slow to measure" in bench.summary_line("500 MB", {"objstore": None}, 0.2)
+    assert "too slow to measure" in bench.summary_line("500 MB", {}, None)
+    no_floor = bench.summary_line("50 MB", {"file": 0.25}, None)
+    assert "file 250.0 ms" in no_floor and "loopback floor too slow" in no_floor
+    assert "loopback floor too slow" in bench.summary_line("50 MB", {"file": 0.25}, 0.0)
+    met = bench.summary_line("500 MB", {"objstore": 9.0, "mooncake": 0.3}, 0.2)
+    assert met == "weights best store 500 MB: mooncake 1.5x loopback (target <= 2x, met)"
+    assert bench.summary_line("50 MB", {"file": 1.0}, 0.2).endswith("(target <= 2x, missed)")
+
+
+def test_figure_lines(bench: ModuleType) -> None:
+    assert "not measured" in bench.figure_line("50 MB", "objstore", None, 50_000_000, 0.1)
+    assert "no loopback floor" in bench.figure_line("50 MB", "file", 0.2, 50_000_000, None)
+    assert "- GB/s" in bench.figure_line("50 MB", "memcpy", 0.0, 50_000_000, 0.1)
+    assert "2.00x loopback" in bench.figure_line("50 MB", "file", 0.2, 50_000_000, 0.1)
+    assert bench.size_label(500_000_000) == "500 MB"
