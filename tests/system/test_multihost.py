@@ -64,8 +64,14 @@ def wait_ready(hosts: netns.Hosts, url: str, timeout: float = 60.0) -> None:
     raise AssertionError(f"the cluster did not form: {last}")
 
 
-def test_a_run_over_three_hosts_keeps_the_invariants(hosts: netns.Hosts, tmp_path: Path) -> None:
-    trainer_host, inference_host, control_host = 0, 1, 2
+@pytest.mark.parametrize(
+    "trainer_nodes",
+    [1, 2],  # 2: one rank on each of the first two hosts, torchrun's ranks meeting over the subnet
+)
+def test_a_run_over_three_hosts_keeps_the_invariants(
+    trainer_nodes: int, hosts: netns.Hosts, tmp_path: Path
+) -> None:
+    inference_host, control_host = 1, 2
     spec = plan_cluster(hosts.addresses, store_dir=str(tmp_path / "nats" / "{server}"))
     url = spec.client_url_list()
     logs = tmp_path / "logs"
@@ -74,10 +80,9 @@ def test_a_run_over_three_hosts_keeps_the_invariants(hosts: netns.Hosts, tmp_pat
     db = f"sqlite:///{tmp_path / 'store.db'}"
     procs: dict[str, subprocess.Popen[bytes]] = {}
 
-    def start(name: str, host: int, argv: list[str]) -> None:
-        procs[name] = hosts.popen(
-            host, argv, out=(logs / f"{name}.log").open("wb"), env={"JETRL_LOG_JSON": "1"}
-        )
+    def start(name: str, host: int, argv: list[str], env: dict[str, str] | None = None) -> None:
+        out = (logs / f"{name}.log").open("wb")
+        procs[name] = hosts.popen(host, argv, out=out, env={"JETRL_LOG_JSON": "1", **(env or {})})
 
     def output(name: str) -> str:
         return (logs / f"{name}.log").read_text(errors="replace")[-3000:]
@@ -90,7 +95,12 @@ def test_a_run_over_three_hosts_keeps_the_invariants(hosts: netns.Hosts, tmp_pat
         wait_ready(hosts, url)
         part = [*JETRL, "part"]
         common = ["--nats-url", url, "--run", RUN, "--run-dir", str(run_dir)]
-        start("trainer", trainer_host, [*part, "trainer", *common])
+        trainer = [*part, "trainer", *common]
+        if trainer_nodes > 1:
+            trainer += ["--nnodes", str(trainer_nodes), "--rdzv-endpoint", f"{hosts.addresses[0]}:29517"]
+        for k in range(trainer_nodes):
+            # gloo finds its interface from the host name, which resolves outside the namespace.
+            start(f"trainer-{k}", k, [*trainer, "--node-rank", str(k)], env={"GLOO_SOCKET_IFNAME": "eth0"})
         start("inference", inference_host, [*part, "inference", *common, "--worker-id", "inf-h1"])
         start("producer", control_host, [*part, "producer", *common])
         start("recorder", control_host, [*part, "recorder", *common, "--db", db])
@@ -99,11 +109,13 @@ def test_a_run_over_three_hosts_keeps_the_invariants(hosts: netns.Hosts, tmp_pat
             *("--trainer.max_off_policy_steps", str(MAX_OFF), "--trainer.checkpoint_every", "2"),
             *("--envs.0.name", "reverse", "--envs.0.group_size", "4"),
             *("--bus.max_gib", "0.25", "--bus.payload_max_gib", "0.5"),
+            *("--trainer.parallelism.dp_shard", str(trainer_nodes)),
         ]
         coordinator = [*JETRL, "run", "--nats-url", url, "--run-id", RUN, "--parts", "none", "--db", db]
         start("coordinator", control_host, [*coordinator, "--runs-dir", str(tmp_path), *overrides])
         assert procs["coordinator"].wait(420) == 0, output("coordinator")
-        for name in ("trainer", "inference", "producer", "recorder"):
+        trainers = [f"trainer-{k}" for k in range(trainer_nodes)]
+        for name in (*trainers, "inference", "producer", "recorder"):
             assert procs[name].wait(120) == 0, f"{name}: {output(name)}"
         dump = tmp_path / "log.msgpack"
         r = hosts.run(control_host, [sys.executable, "-m", "tests.support.dump_log", url, RUN, str(dump)])
@@ -118,7 +130,10 @@ def test_a_run_over_three_hosts_keeps_the_invariants(hosts: netns.Hosts, tmp_pat
     assert_run_invariants(log, steps=STEPS, rollouts_per_step=2 * 4, max_off=MAX_OFF)
     # The worker on the second host loaded the trainer's weights: they came over the cluster.
     assert "inf-h1" in {e.body.worker_id for e in log if isinstance(e.body, ev.WeightsLoaded)}
-    assert (run_dir / "trainer").is_dir(), "the trainer's checkpoints are in the shared run directory"
+    ckpts = sorted((run_dir / "trainer").glob("ckpt-v*"))
+    assert ckpts, "the trainer's checkpoints are in the shared run directory"
+    # Over two nodes each rank wrote its own shard of the checkpoint (DCP, one file a rank).
+    assert len(list(ckpts[-1].glob("*.distcp"))) == (trainer_nodes if trainer_nodes > 1 else 0)
     store = open_store(db)
     try:
         assert [h.step for h in queries.step_history(store, RUN)] == list(range(STEPS))
