@@ -15,6 +15,7 @@ from pathlib import Path
 
 from jetrl.bus.log import configure
 from jetrl.deploy.config import ConfigError, config_for_run
+from jetrl.deploy.run_cmd import local_parts
 from jetrl.deploy.supervisor import Supervisor
 from jetrl.deploy.tenants_cmd import tenants_dir
 
@@ -33,6 +34,11 @@ def main(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"jetrl resume: {exc}")
         return 2
+    try:
+        local = local_parts(args.parts)
+    except ValueError as exc:
+        print(f"jetrl resume: {exc}")
+        return 2
     sup = Supervisor(
         cfg,
         args.run,
@@ -40,6 +46,7 @@ def main(args: argparse.Namespace) -> int:
         nats_url=args.nats_url,
         db_url=args.db,
         tenants_dir=Path(tenants_dir(args.tenants_dir)),
+        local=local,
     )
     return asyncio.run(sup.run())
 
@@ -55,4 +62,5 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--nats-url", default=None, help="the run's NATS server, when it was not the embedded one")
     p.add_argument("--db", default=None)
     p.add_argument("--tenants-dir", default=None, help="the deployment's tenants, as for `jetrl run`")
+    p.add_argument("--parts", default="all", help="the parts started here, as for `jetrl run`")
     p.set_defaults(func=main, overrides=[])
