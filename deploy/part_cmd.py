@@ -27,6 +27,7 @@ from jetrl.bus import subjects
 from jetrl.bus.client import Bus
 from jetrl.bus.log import get_logger
 from jetrl.bus.runtime import connect_until, run_process
+from jetrl.bus.streams import stream_name
 from jetrl.deploy.config import ConfigError, RunConfig
 from jetrl.deploy.parts import KINDS, Nodes, PartCommand, PartCommands
 from jetrl.store import queries
@@ -150,10 +151,22 @@ async def follow_finish(bus: Bus, run_id: str, from_seq: int, state: RunState) -
             return
 
 
-async def follow_goal(bus: Bus, run_id: str, state: RunState) -> None:
+async def goal_reached(bus: Bus, run_id: str) -> bool:
+    """Whether the newest step in the log is the trainer's final one."""
+    try:
+        msg = await bus.js.get_last_msg(stream_name(run_id), subjects.step_subject(run_id), direct=True)
+    except nats.js.errors.NotFoundError:
+        return False
+    body = ev.decode_event(msg.data or b"", msg.headers).body
+    return isinstance(body, ev.StepCompleted) and body.final
+
+
+async def follow_goal(bus: Bus, run_id: str, from_seq: int, state: RunState) -> None:
     """Wait for the trainer's final step: past it nothing more is trained, so producers and
-    inference stop, and the run's close-out accounts for the last rollouts they made."""
-    async for item in bus.tail(run_id, filter_subject=subjects.step_subject(run_id)):
+    inference stop, and the run's close-out accounts for the last rollouts they made (a
+    resumed run with more steps has a new final step; the old one is before ``from_seq``)."""
+    subject = subjects.step_subject(run_id)
+    async for item in bus.tail(run_id, filter_subject=subject, from_seq=from_seq):
         b = item.event.body if item.event else None
         if isinstance(b, ev.StepCompleted) and b.final:
             state.goal_reached = True
@@ -168,9 +181,16 @@ async def serve(args: argparse.Namespace, bus: Bus, stop: asyncio.Event) -> int:
     state, head = found
     assert state.config is not None  # read_run returns only a started run
     run_dir = Path(args.run_dir or Path("runs") / args.run)
-    if state.finished_seq is not None and args.kind != "recorder":
-        print(f"jetrl part: run {args.run} has finished ({state.finished_status}); nothing to do", flush=True)
+    if state.finished_status == "completed" and args.kind != "recorder":
+        print(f"jetrl part: run {args.run} has completed; nothing to do", flush=True)
         return 0
+    if args.kind in ENDS_AT_GOAL and state.finished_seq is None and await goal_reached(bus, args.run):
+        print(f"jetrl part: run {args.run} has trained its last step; nothing to do", flush=True)
+        return 0
+    if state.finished_seq is not None and state.finished_status != "completed":
+        # Stopped (Ctrl-C, a failure): `jetrl resume` carries it on, with this part.
+        print(f"jetrl part: run {args.run} stopped ({state.finished_status}); serving it as resumed")
+        state.finished_seq = None
     try:
         cmds = commands(args, state.config, run_dir)
     except ConfigError as exc:
@@ -181,7 +201,7 @@ async def serve(args: argparse.Namespace, bus: Bus, stop: asyncio.Event) -> int:
     print(f"jetrl part {args.kind}: run {args.run}, started {', '.join(c.name for c in cmds)}", flush=True)
     watchers = [asyncio.create_task(follow_finish(bus, args.run, head + 1, state))]
     if args.kind in ENDS_AT_GOAL:
-        watchers.append(asyncio.create_task(follow_goal(bus, args.run, state)))
+        watchers.append(asyncio.create_task(follow_goal(bus, args.run, head + 1, state)))
     try:
         while not stop.is_set() and state.finished_seq is None and not state.goal_reached:
             codes = [p.poll() for p in procs]

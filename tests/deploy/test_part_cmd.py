@@ -68,8 +68,10 @@ def test_parts_option() -> None:
         local_parts("trainer,gpu")
 
 
-def part(kind: str, url: str, run_id: str, run_dir: Path, logs: Path, *extra: str) -> subprocess.Popen[bytes]:
-    out = (logs / f"{kind}.out").open("wb")
+def part(
+    kind: str, url: str, run_id: str, run_dir: Path, logs: Path, *extra: str, name: str | None = None
+) -> subprocess.Popen[bytes]:
+    out = (logs / f"{name or kind}.out").open("wb")
     return subprocess.Popen(
         [
             *(sys.executable, "-m", "jetrl.deploy.cli", "part", kind),
@@ -124,6 +126,10 @@ async def test_parts_started_before_the_run_wait_then_run_it_and_end_with_it(tmp
             for kind, p in procs.items():
                 code = await asyncio.to_thread(p.wait, 90)
                 assert code == 0, f"{kind} exited {code}: {(logs / f'{kind}.out').read_text()[-3000:]}"
+            # One started after the run completed has nothing to do, and says so.
+            late = part("inference", url, run_id, run_dir, logs, "--worker-id", "inf-b", name="late")
+            assert await asyncio.to_thread(late.wait, 60) == 0
+            assert f"run {run_id} has completed; nothing to do" in (logs / "late.out").read_text()
         finally:
             for p in procs.values():
                 if p.poll() is None:
