@@ -75,6 +75,12 @@ class Reject(Exception):
         self.detail = detail
 
 
+# A publish is retried (under its message id, so stored once) for at least this long: a
+# JetStream cluster answers nothing for the stream while it elects a new leader (about 6 s
+# after a leader is lost, measured: tests/system/test_cluster_faults.py), and a part that gave
+# up sooner would crash and restart for a pause the cluster heals by itself.
+PUBLISH_RETRY_S = 30.0
+
 _RETRYABLE = (
     nats.errors.TimeoutError,
     nats.errors.NoRespondersError,
@@ -243,15 +249,22 @@ class Bus:
     # ------------------------------------------------------------------ publish
 
     async def publish(
-        self, event: ev.Event, *, timeout: float = 5.0, retries: int = 5, backoff: float = 0.2
+        self,
+        event: ev.Event,
+        *,
+        timeout: float = 5.0,
+        retries: int = 5,
+        backoff: float = 0.2,
+        retry_s: float = PUBLISH_RETRY_S,
     ) -> api.PubAck:
-        """Publish one event and wait for the stream's ack. Retries are safe: the event id is
-        the message id, so the server stores a retried event once (``ack.duplicate``)."""
+        """Publish one event and wait for the stream's ack, retrying an error that may heal
+        at least ``retries`` times and for ``retry_s`` seconds. Retries are safe: the event id
+        is the message id, so the server stores a retried event once (``ack.duplicate``)."""
         subject = subjects.subject_for(event)
         data = ev.encode_event(event)
         headers = ev.event_headers(event)
         return await self._publish_raw(
-            subject, data, headers, timeout=timeout, retries=retries, backoff=backoff
+            subject, data, headers, timeout=timeout, retries=retries, backoff=backoff, retry_s=retry_s
         )
 
     async def _publish_raw(
@@ -263,10 +276,13 @@ class Bus:
         timeout: float = 5.0,
         retries: int = 5,
         backoff: float = 0.2,
+        retry_s: float = PUBLISH_RETRY_S,
     ) -> api.PubAck:
         delay = backoff
         headers = self.msg_headers(headers)
-        for attempt in range(retries + 1):
+        give_up = time.monotonic() + retry_s
+        attempt = 0
+        while True:
             try:
                 ack = await self.js.publish(subject, data, timeout=timeout, headers=dict(headers))
                 if ack.duplicate:
@@ -276,14 +292,12 @@ class Bus:
                 denied = self.denied(subject)
                 if denied:
                     raise PermissionDenied(denied) from exc
-                if attempt == retries:
-                    raise BusError(
-                        f"publish to {subject} failed after {retries + 1} attempts: {exc!r}"
-                    ) from exc
-                log.warning("publish_retry", subject=subject, attempt=attempt + 1, error=repr(exc))
+                attempt += 1
+                if attempt > retries and time.monotonic() >= give_up:
+                    raise BusError(f"publish to {subject} failed after {attempt} attempts: {exc!r}") from exc
+                log.warning("publish_retry", subject=subject, attempt=attempt, error=repr(exc))
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
-        raise AssertionError("unreachable")
 
     async def claim_duplicate(
         self, subject: str, data: bytes, headers: dict[str, str], ack: api.PubAck, *, timeout: float = 5.0
@@ -314,8 +328,17 @@ class Bus:
         publish is then refused for good, not lost in transit (it reports it asynchronously)."""
         return self._denied.get(subject.lower())
 
-    def publisher(self, *, max_inflight: int = 256, ack_timeout: float = 10.0, retries: int = 5) -> Publisher:
-        return Publisher(self, max_inflight=max_inflight, ack_timeout=ack_timeout, retries=retries)
+    def publisher(
+        self,
+        *,
+        max_inflight: int = 256,
+        ack_timeout: float = 10.0,
+        retries: int = 5,
+        retry_s: float = PUBLISH_RETRY_S,
+    ) -> Publisher:
+        return Publisher(
+            self, max_inflight=max_inflight, ack_timeout=ack_timeout, retries=retries, retry_s=retry_s
+        )
 
     # ------------------------------------------------------------------ consume
 
@@ -451,6 +474,7 @@ class _Pending:
     attempts: int = 0
     future: asyncio.Future[api.PubAck] | None = None
     sent_at: float = 0.0
+    first_sent: float = 0.0
 
 
 class Publisher:
@@ -459,19 +483,22 @@ class Publisher:
     ``publish`` returns once the message is handed to the connection, waiting for the oldest
     ack when the window is full; ``flush`` waits for every ack. A publish whose ack fails or
     does not come within ``ack_timeout`` (lost in a reconnect, say) is re-sent under the same
-    event id, which the server deduplicates; after ``retries`` re-sends, or at once for an
-    error that cannot heal (stream full, no such subject), it is reported by
-    :class:`PublishError` from the next ``publish`` or ``flush``.
+    event id, which the server deduplicates; after ``retries`` re-sends and ``retry_s``
+    seconds, or at once for an error that cannot heal (stream full, permission denied), it is
+    reported by :class:`PublishError` from the next ``publish`` or ``flush``.
 
     Acks are collected from the head of a FIFO instead of per-future callbacks: JetStream
     acks in order, and a callback per publish costs an event-loop turn each.
     """
 
-    def __init__(self, bus: Bus, *, max_inflight: int, ack_timeout: float, retries: int) -> None:
+    def __init__(
+        self, bus: Bus, *, max_inflight: int, ack_timeout: float, retries: int, retry_s: float
+    ) -> None:
         self.bus = bus
         self.max_inflight = max_inflight
         self.ack_timeout = ack_timeout
         self.retries = retries
+        self.retry_s = retry_s
         self._queue: deque[_Pending] = deque()
         self._failed: dict[str, BaseException] = {}
         self._duplicates: deque[tuple[_Pending, api.PubAck]] = deque()
@@ -501,6 +528,7 @@ class Publisher:
     async def _send(self, p: _Pending) -> None:
         p.attempts += 1
         p.sent_at = time.monotonic()
+        p.first_sent = p.first_sent or p.sent_at
         try:
             p.future = await self.bus.js.publish_async(p.subject, p.data, headers=p.headers)
         except Exception as exc:  # refused outright (e.g. connection closed): retried by _wait_oldest
@@ -555,7 +583,7 @@ class Publisher:
             isinstance(error, nats.js.errors.APIError)
             and not isinstance(error, nats.js.errors.ServiceUnavailableError)
         )
-        if permanent or p.attempts > self.retries:
+        if permanent or (p.attempts > self.retries and time.monotonic() - p.first_sent >= self.retry_s):
             self._queue.popleft()
             self._failed[p.event_id] = error
             log.error(

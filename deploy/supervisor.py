@@ -391,10 +391,7 @@ class Supervisor:
                     await follower
             steps = len(self.progress.steps)
             if status == "completed":  # a finished run accounts for every rollout in its log
-                try:
-                    self.unfinished = await close_out(bus, self.run_id, self.cfg.trainer)
-                except Exception as exc:  # the run's result stands; the gap is logged
-                    self.log.warning("close_out_failed", error=repr(exc))
+                await self.close_out(bus)
             with contextlib.suppress(Exception):
                 await bus.publish(
                     ev.new_event(
@@ -432,6 +429,17 @@ class Supervisor:
                 return
             await asyncio.sleep(0.25)
         self.log.warning("parts_elsewhere_not_settled", rollouts=seen)
+
+    async def close_out(self, bus: Bus, attempts: int = 4) -> None:
+        """Withhold what the trainer left, retried (it is idempotent: withheld events have
+        derived ids) when the cluster is electing a leader meanwhile."""
+        for attempt in range(1, attempts + 1):
+            try:
+                self.unfinished = await close_out(bus, self.run_id, self.cfg.trainer)
+                return
+            except Exception as exc:  # the run's result stands; a gap left is logged
+                self.log.warning("close_out_failed", error=repr(exc), attempt=attempt, of=attempts)
+                await asyncio.sleep(2.0 * attempt)
 
     async def wait_for_recorder(self, head: int, timeout: float = 60.0) -> None:
         if not self.cfg.store.recorder:

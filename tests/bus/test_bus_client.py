@@ -79,7 +79,7 @@ async def test_pipelined_publisher_bounds_inflight_and_delivers_all(bus: Bus, ru
 
 async def test_publisher_surfaces_failures(bus: Bus, run_id: str) -> None:
     # A subject no stream captures: the server answers "no responders" to each retry.
-    pub = bus.publisher(max_inflight=4, ack_timeout=0.5, retries=1)
+    pub = bus.publisher(max_inflight=4, ack_timeout=0.5, retries=1, retry_s=0.0)
     await pub.publish_encoded("nostream.x", b"x", {ev.HEADER_MSG_ID: "lost-1"})
     with pytest.raises(PublishError) as info:
         await pub.flush(timeout=30)
