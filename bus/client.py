@@ -41,6 +41,7 @@ from jetrl.bus.facts import rejecting_tenant, spoofed
 from jetrl.bus.identity import VIOLATION, Credentials, PermissionDenied, connect_unless
 from jetrl.bus.log import get_logger
 from jetrl.bus.pull import PullChannel
+from jetrl.bus.retry import RETRY_S, RETRYABLE
 from jetrl.bus.streams import StreamLimits, ensure_payload_bucket, ensure_run_stream, stream_name
 
 log = get_logger(__name__)
@@ -73,23 +74,6 @@ class Reject(Exception):
         super().__init__(detail)
         self.reason = reason
         self.detail = detail
-
-
-# A publish is retried (under its message id, so stored once) for at least this long: a
-# JetStream cluster answers nothing for the stream while it elects a new leader (about 6 s
-# after a leader is lost, measured: tests/system/test_cluster_faults.py), and a part that gave
-# up sooner would crash and restart for a pause the cluster heals by itself.
-PUBLISH_RETRY_S = 30.0
-
-_RETRYABLE = (
-    nats.errors.TimeoutError,
-    nats.errors.NoRespondersError,
-    nats.js.errors.NoStreamResponseError,
-    nats.errors.ConnectionClosedError,
-    nats.errors.ConnectionReconnectingError,
-    nats.errors.StaleConnectionError,
-    asyncio.TimeoutError,
-)
 
 
 class Bus:
@@ -255,7 +239,7 @@ class Bus:
         timeout: float = 5.0,
         retries: int = 5,
         backoff: float = 0.2,
-        retry_s: float = PUBLISH_RETRY_S,
+        retry_s: float = RETRY_S,
     ) -> api.PubAck:
         """Publish one event and wait for the stream's ack, retrying an error that may heal
         at least ``retries`` times and for ``retry_s`` seconds. Retries are safe: the event id
@@ -276,7 +260,7 @@ class Bus:
         timeout: float = 5.0,
         retries: int = 5,
         backoff: float = 0.2,
-        retry_s: float = PUBLISH_RETRY_S,
+        retry_s: float = RETRY_S,
     ) -> api.PubAck:
         delay = backoff
         headers = self.msg_headers(headers)
@@ -288,7 +272,7 @@ class Bus:
                 if ack.duplicate:
                     ack = await self.claim_duplicate(subject, data, headers, ack, timeout=timeout)
                 return ack
-            except _RETRYABLE as exc:
+            except RETRYABLE as exc:
                 denied = self.denied(subject)
                 if denied:
                     raise PermissionDenied(denied) from exc
@@ -334,7 +318,7 @@ class Bus:
         max_inflight: int = 256,
         ack_timeout: float = 10.0,
         retries: int = 5,
-        retry_s: float = PUBLISH_RETRY_S,
+        retry_s: float = RETRY_S,
     ) -> Publisher:
         return Publisher(
             self, max_inflight=max_inflight, ack_timeout=ack_timeout, retries=retries, retry_s=retry_s
@@ -774,7 +758,7 @@ class PullConsumer(Generic[B]):
         out: Batch[B] = Batch([])
         try:
             msgs = await self._pull(batch, timeout)
-        except _RETRYABLE as exc:
+        except RETRYABLE as exc:
             self.log.warning("fetch_retry", error=repr(exc))
             await asyncio.sleep(0.2)
             return out

@@ -31,6 +31,7 @@ from nats.js.object_store import ObjectStore
 
 from jetrl.bus import events as ev
 from jetrl.bus.log import get_logger
+from jetrl.bus.retry import retrying
 from jetrl.bus.settings import MooncakeSettings
 from jetrl.bus.streams import payload_bucket, stream_name
 
@@ -138,7 +139,11 @@ class ObjectStorePayloads:
         return cls(obj, bucket)
 
     async def put(self, name: str, data: Buffer) -> ev.PayloadRef:
-        info = await self.obj.put(name, data if isinstance(data, bytes) else _BufferReader(data))
+        # Retried through a leader election of the bucket's stream (a fresh reader each time).
+        info = await retrying(
+            f"put {self.bucket}/{name}",
+            lambda: self.obj.put(name, data if isinstance(data, bytes) else _BufferReader(data)),
+        )
         # The object store hashed the bytes already ("SHA-256=<base64url>"): no second pass.
         assert info.digest is not None  # set on every object the store put
         digest = base64.urlsafe_b64decode(info.digest.split("=", 1)[1]).hex()
