@@ -41,7 +41,7 @@ from jetrl.bus.facts import rejecting_tenant, spoofed
 from jetrl.bus.identity import VIOLATION, Credentials, PermissionDenied, connect_unless
 from jetrl.bus.log import get_logger
 from jetrl.bus.pull import PullChannel
-from jetrl.bus.retry import RETRY_S, RETRYABLE
+from jetrl.bus.retry import RETRY_S, RETRYABLE, retrying
 from jetrl.bus.streams import StreamLimits, ensure_payload_bucket, ensure_run_stream, stream_name
 
 log = get_logger(__name__)
@@ -350,15 +350,16 @@ class Bus:
             opt_start_seq=spec.start_seq,
             filter_subjects=list(spec.filter_subjects),
         )
+        made = f"consumer {spec.durable}"  # made on the stream's leader: retried through an election
         try:
-            await self.js.add_consumer(stream, config=cfg)
+            await retrying(made, lambda: self.js.add_consumer(stream, config=cfg))
         except nats.js.errors.BadRequestError as exc:
             # Exists with another config (e.g. new filters): update what may be updated.
             if exc.err_code not in (10148, 10013):  # consumer already exists / name in use
                 raise
             cfg.deliver_policy = None
             cfg.opt_start_seq = None
-            await self.js.add_consumer(stream, config=cfg)
+            await retrying(made, lambda: self.js.add_consumer(stream, config=cfg))
         channel = await PullChannel(self.nc, stream, spec.durable, max_bytes=spec.max_request_bytes).open()
         return PullConsumer(self, spec, channel, body)
 
@@ -395,15 +396,18 @@ class Bus:
                 opt_start_seq=from_seq,
             )
         view = stream is not None and stream != stream_name(run_id)
-        sub = await self.js.subscribe(
-            subject,
-            stream=stream or stream_name(run_id),
-            cb=on_msg,
-            ordered_consumer=True,
-            config=cfg,
-            # nats-py resets an ordered consumer after two missed heartbeats: 1 s bounds how
-            # long a tail stays silent after the server restarts (5 s meant ~20 s stalls).
-            idle_heartbeat=1.0,
+        sub = await retrying(  # through a leader election (the consumer is made on the leader)
+            f"tail {subject}",
+            lambda: self.js.subscribe(
+                subject,
+                stream=stream or stream_name(run_id),
+                cb=on_msg,
+                ordered_consumer=True,
+                config=cfg,
+                # nats-py resets an ordered consumer after two missed heartbeats: 1 s bounds how
+                # long a tail stays silent after the server restarts (5 s meant ~20 s stalls).
+                idle_heartbeat=1.0,
+            ),
         )
         try:
             if to_head:

@@ -112,6 +112,30 @@ class _BufferReader(io.BufferedIOBase):
         return n
 
 
+class _BufferWriter(io.BufferedIOBase):
+    """Chunks written in place into a buffer of the size expected (more is an error)."""
+
+    def __init__(self, size: int) -> None:
+        self._buf = bytearray(size)
+        self._pos = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        n = len(b)
+        if self._pos + n > len(self._buf):
+            raise PayloadIntegrityError(f"more than the {len(self._buf)} bytes expected")
+        self._buf[self._pos : self._pos + n] = b
+        self._pos += n
+        return n
+
+    def value(self) -> bytes:
+        """What was written (shorter than expected if the object is; the reader checks)."""
+        view = memoryview(self._buf)[: self._pos]
+        return bytes(view)
+
+
 class PayloadStore(Protocol):
     kind: str
 
@@ -151,14 +175,22 @@ class ObjectStorePayloads:
 
     async def get_bytes(self, ref: ev.PayloadRef) -> bytes:
         try:
-            res = await self.obj.get(ref.name)
+            info = await self.obj.get_info(ref.name)
+            if info.size != ref.size:
+                raise PayloadIntegrityError(
+                    f"payload {ref.bucket}/{ref.name} holds {info.size} bytes, the reference {ref.size}"
+                )
+            # Into a buffer of the object's size: without one nats-py appends each chunk to a
+            # bytes object, a copy of all read so far per chunk (19 s for 64 MiB, measured).
+            into = _BufferWriter(int(info.size or 0))
+            await self.obj.get(ref.name, writeinto=into)
         except nats.js.errors.ObjectNotFoundError:
             raise PayloadMissing(f"payload {ref.bucket}/{ref.name} not found") from None
         except nats.js.errors.DigestMismatchError as exc:
             raise PayloadIntegrityError(
                 f"payload {ref.bucket}/{ref.name} corrupted in the store: {exc}"
             ) from None
-        return bytes(res.data or b"")
+        return into.value()
 
 
 class FilePayloads:

@@ -48,7 +48,7 @@ async def test_corrupted_payload_fails_loudly(bus: Bus, run_id: str) -> None:
         await pay.get_array(ref)
     # A truncated object.
     await store.obj.put("logprobs-1", b"\x00" * 10)
-    with pytest.raises(PayloadIntegrityError, match="expected 200000 bytes, read 10"):
+    with pytest.raises(PayloadIntegrityError, match="holds 10 bytes, the reference 200000"):
         await pay.get_array(ref)
     with pytest.raises(PayloadMissing):
         await pay.get_bytes(
