@@ -12,7 +12,9 @@ before the put to the last worker's answer. Stores:
 Measured in the same run, the floors the stores are compared with:
   * ``memcpy``: one plain memory copy of the same bytes (into a buffer already touched);
   * ``loopback``: the same bytes sent by the trainer over a TCP loopback socket to every
-    worker at once, received into memory (no hash, no store).
+    worker at once, received into memory (no hash, no store);
+and, for scale, one SHA-256 pass over the bytes (``sha256``): a store's writer hashes what it
+puts, and every reader what it reads, so a store's round holds two passes one after the other.
 Each (size, store) is one warm-up round then ``--repeats`` rounds; medians are reported, with
 ratios to the loopback floor. A round past ``--timeout`` is "too slow to measure", never a crash.
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import socket
@@ -248,6 +251,16 @@ def memcpy_s(data: bytes, repeats: int) -> float | None:
     return median(times)
 
 
+def sha256_s(data: bytes, repeats: int) -> float | None:
+    """One SHA-256 pass over the bytes: every store's writer makes one, each reader another."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        hashlib.sha256(data).digest()
+        times.append(time.perf_counter() - t0)
+    return median(times)
+
+
 async def measure(
     label: str, workers: Workers, rounds: int, timeout: float, one: Callable[[int], Awaitable[float]]
 ) -> float | None:
@@ -287,6 +300,7 @@ async def bench_size(
         f"{label} loopback", workers, repeats, timeout, lambda k: loopback_round(workers, data, timeout)
     )
     print(figure_line(label, "memcpy", copy, nbytes, floor), flush=True)
+    print(figure_line(label, "sha256", sha256_s(data, repeats), nbytes, floor), flush=True)
     print(figure_line(label, "loopback", floor, nbytes, floor), flush=True)
     medians: dict[str, float | None] = {}
     for kind in stores:

@@ -28,8 +28,7 @@ class MooncakeSettings(Section):
     # two objects (a trainer's last two weight versions) are always kept.
     keep_objects: int = Field(64, ge=2)
     keep_mib: float = Field(4096.0, gt=0)
-    # A read that takes longer fails (PayloadMissing); an evicted buffer is released this long
-    # after, so a read in flight never touches freed memory.
+    # A read that takes longer fails (PayloadMissing).
     timeout_s: float = Field(60.0, gt=0)
 
 

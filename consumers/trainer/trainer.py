@@ -192,7 +192,11 @@ class Trainer:
         data, digest = await asyncio.to_thread(
             self.core.engine.export_weights, {"version": str(v), "run": self.run_id}
         )
-        ref = await self.weights_store.put(f"weights-v{v}", data)
+        # Version 0 is where a recovery without a checkpoint starts: where it outlives the trainer.
+        store = self.weights_store
+        if v == 0 and store.kind == "mooncake" and self.payloads is not None:
+            store = self.payloads.default
+        ref = await store.put(f"weights-v{v}", data)
         await self.bus.publish(
             ev.new_event(
                 ev.PolicyVersionPublished(
