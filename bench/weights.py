@@ -20,7 +20,8 @@ ratios to the loopback floor. A round past ``--timeout`` is "too slow to measure
 
     python bench/weights.py [--sizes 50,500] [--workers 2] [--repeats 3] [--timeout 180]
 
-Sizes are in MB (10^6 bytes). ``--load N`` runs it all beside N busy CPU processes.
+Sizes are in MB (10^6 bytes). ``--load N`` runs it all beside N busy CPU processes;
+``BENCH_VERBOSE=1`` prints every round.
 """
 
 from __future__ import annotations
@@ -39,8 +40,6 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-
-os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's info lines, here and in workers
 
 import msgspec
 import numpy as np

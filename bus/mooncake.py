@@ -119,7 +119,6 @@ class MooncakePayloads:
     def _start(self) -> Any:
         with self._start_lock:
             if self._engine is None:
-                os.environ.setdefault("GLOG_minloglevel", "2")  # the engine's info lines
                 try:
                     engine_mod = importlib.import_module("mooncake.engine")
                 except ImportError as exc:
