@@ -112,8 +112,9 @@ def policy_event_id(run_id: str, version: int) -> str:
     return derived_id(run_id, f"policy/{version}")
 
 
-def weights_event_id(run_id: str, version: int) -> str:
-    return derived_id(run_id, f"weights/{version}")
+def weights_event_id(run_id: str, version: int, *, again: str | None = None) -> str:
+    """``again``: the weights announced anew (a restarted writer's), named by where they lie."""
+    return derived_id(run_id, f"weights/{version}" if again is None else f"weights/{version}/again/{again}")
 
 
 def loaded_event_id(run_id: str, worker_id: str, version: int) -> str:

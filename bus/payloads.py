@@ -38,6 +38,8 @@ from jetrl.bus.streams import payload_bucket, stream_name
 log = get_logger(__name__)
 
 DEFAULT_INLINE_THRESHOLD = 16 * 1024
+# Stores whose bytes live in their writer's memory: gone when it dies (bus/mooncake.py).
+HELD_BY_WRITER = frozenset({"mooncake"})
 _ALLOWED_DTYPES = {"uint8", "uint16", "int32", "int64", "float16", "float32", "float64", "bfloat16"}
 
 

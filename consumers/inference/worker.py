@@ -126,8 +126,10 @@ class InferenceWorker:
             if stop.is_set():
                 return
             body = item.event.body if item.event else None
+            # The newest version; for the same version, the newest announcement (a restarted
+            # trainer announces weights held in its memory anew: the old ones died with it).
             if isinstance(body, ev.WeightsReady) and (
-                self.latest is None or body.version > self.latest.version
+                self.latest is None or body.version >= self.latest.version
             ):
                 self.latest = body
                 self.new_weights.set()

@@ -38,7 +38,7 @@ from jetrl.bus import events as ev
 from jetrl.bus import ids, subjects
 from jetrl.bus.client import Batch, Bus, PullConsumer
 from jetrl.bus.log import get_logger
-from jetrl.bus.payloads import PayloadError, Payloads, PayloadStore
+from jetrl.bus.payloads import HELD_BY_WRITER, PayloadError, Payloads, PayloadStore
 from jetrl.bus.streams import payload_bucket
 from jetrl.consumers.trainer.admission import (
     GROUP_REASONS,
@@ -172,6 +172,9 @@ class Trainer:
         self.version = replayer.version
         if self.version not in log.weights:
             await self.announce_version()  # the crash came between StepCompleted and WeightsReady
+        elif self.version > 0 and getattr(self.weights_store, "kind", None) in HELD_BY_WRITER:
+            # The announced bytes died with the trainer that held them: announce them again.
+            await self.announce_version(again=True)
         self.log.info(
             "trainer_recovered",
             version=self.version,
@@ -183,9 +186,10 @@ class Trainer:
 
     # ---------------------------------------------------------------- publishing
 
-    async def announce_version(self) -> int:
+    async def announce_version(self, *, again: bool = False) -> int:
         """Make the current weights readable, then say so: PolicyVersionPublished and
-        WeightsReady. Both event ids derive from the version, so a repeat is stored once."""
+        WeightsReady. Both event ids derive from the version, so a repeat is stored once;
+        ``again``: a WeightsReady of its own for weights a restarted trainer holds anew."""
         assert self.weights_store is not None
         v = self.version
         # Serialising and hashing every weight is CPU work: off the event loop, like training.
@@ -197,15 +201,16 @@ class Trainer:
         if v == 0 and store.kind == "mooncake" and self.payloads is not None:
             store = self.payloads.default
         ref = await store.put(f"weights-v{v}", data)
-        await self.bus.publish(
-            ev.new_event(
-                ev.PolicyVersionPublished(
-                    version=v, step=v, weights_checksum=digest, parent_version=v - 1 if v else None
-                ),
-                run_id=self.run_id,
-                event_id=ids.policy_event_id(self.run_id, v),
+        if not again:
+            await self.bus.publish(
+                ev.new_event(
+                    ev.PolicyVersionPublished(
+                        version=v, step=v, weights_checksum=digest, parent_version=v - 1 if v else None
+                    ),
+                    run_id=self.run_id,
+                    event_id=ids.policy_event_id(self.run_id, v),
+                )
             )
-        )
         ack = await self.bus.publish(
             ev.new_event(
                 ev.WeightsReady(
@@ -215,7 +220,7 @@ class Trainer:
                     format=WEIGHTS_FORMATS[self.s.weights_layout],
                 ),
                 run_id=self.run_id,
-                event_id=ids.weights_event_id(self.run_id, v),
+                event_id=ids.weights_event_id(self.run_id, v, again=ref.name if again else None),
             )
         )
         return int(ack.seq)

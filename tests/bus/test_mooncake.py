@@ -195,3 +195,38 @@ async def test_a_run_with_weights_and_traces_in_mooncake(nats_server: EmbeddedSe
     # The tiny model's traces are below the inline threshold (they ride in the event); a
     # larger one is a mooncake reference held by its worker.
     assert all(t.store == "mooncake" for t in traces if isinstance(t, ev.PayloadRef))
+
+
+async def test_weights_held_by_a_killed_trainer_are_announced_again(
+    nats_server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """The trainer holds the weights it announced: killed, it takes them with it, and a worker
+    restarted after it finds the newest version gone. The restarted trainer announces them again
+    (a WeightsReady of its own), so the run goes on."""
+    steps, run_id = 6, "mc-kill"
+    args = (
+        f"--trainer.max_steps {steps} --trainer.batch_groups 2 --trainer.checkpoint_every 2"
+        " --envs.0.group_size 4 --inference.workers 1 --bus.weights_store mooncake"
+        " --trainer.ack_wait_s 2 --inference.ack_wait_s 2 --envs.0.ack_wait_s 2"
+    )
+    cfg = load_config(None, args.split())
+    sup = Supervisor(cfg, run_id, tmp_path / run_id, nats_url=nats_server.url, quiet=True)
+    run = asyncio.create_task(sup.run())
+    for victim in ("trainer", "inference-0"):
+        while len(sup.progress.steps) < 3 and not run.done():
+            await asyncio.sleep(0.05)
+        part = next(p for p in sup.parts if p.name == victim)
+        assert part.proc is not None and part.proc.poll() is None
+        part.proc.kill()
+        while part.restarts == 0 and not run.done():
+            await asyncio.sleep(0.05)
+    assert await asyncio.wait_for(run, 240) == 0
+    log = await read_log(nats_server.url, run_id)
+    assert [s.step for s in bodies(log, ev.StepCompleted)] == list(range(steps))
+    announced: dict[int, set[str]] = {}
+    for r in bodies(log, ev.WeightsReady):
+        announced.setdefault(r.version, set()).add(r.location.name)
+    again = [v for v, names in announced.items() if len(names) > 1]
+    assert again, f"no version announced anew after the trainer's restart: {announced}"
+    assert all(r.location.store == "mooncake" for r in bodies(log, ev.WeightsReady) if r.version > 0)
+
