@@ -21,6 +21,7 @@ from jetrl.store.db import open_store
 from tests.support import netns
 from tests.support.dump_log import load
 from tests.support.invariants import assert_run_invariants
+from tests.support.runlog import bodies
 
 pytestmark = [pytest.mark.slow]
 
@@ -72,6 +73,7 @@ def test_a_run_over_three_hosts_keeps_the_invariants(
     trainer_nodes: int, hosts: netns.Hosts, tmp_path: Path
 ) -> None:
     inference_host, control_host = 1, 2
+    mooncake = trainer_nodes > 1
     spec = plan_cluster(hosts.addresses, store_dir=str(tmp_path / "nats" / "{server}"))
     url = spec.client_url_list()
     logs = tmp_path / "logs"
@@ -82,7 +84,9 @@ def test_a_run_over_three_hosts_keeps_the_invariants(
 
     def start(name: str, host: int, argv: list[str], env: dict[str, str] | None = None) -> None:
         out = (logs / f"{name}.log").open("wb")
-        procs[name] = hosts.popen(host, argv, out=out, env={"JETRL_LOG_JSON": "1", **(env or {})})
+        # JETRL_HOST: the address a part's Mooncake engine advertises, its host's.
+        base = {"JETRL_LOG_JSON": "1", "JETRL_HOST": hosts.addresses[host]}
+        procs[name] = hosts.popen(host, argv, out=out, env={**base, **(env or {})})
 
     def output(name: str) -> str:
         return (logs / f"{name}.log").read_text(errors="replace")[-3000:]
@@ -110,6 +114,8 @@ def test_a_run_over_three_hosts_keeps_the_invariants(
             *("--envs.0.name", "reverse", "--envs.0.group_size", "4"),
             *("--bus.max_gib", "0.25", "--bus.payload_max_gib", "0.5"),
             *("--trainer.parallelism.dp_shard", str(trainer_nodes)),
+            # Over two trainer hosts the weights go over Mooncake, pulled from rank 0's memory.
+            *(("--bus.weights_store", "mooncake", "--bus.traces_store", "mooncake") if mooncake else ()),
         ]
         coordinator = [*JETRL, "run", "--nats-url", url, "--run-id", RUN, "--parts", "none", "--db", db]
         start("coordinator", control_host, [*coordinator, "--runs-dir", str(tmp_path), *overrides])
@@ -128,6 +134,11 @@ def test_a_run_over_three_hosts_keeps_the_invariants(
 
     log = load(dump)
     assert_run_invariants(log, steps=STEPS, rollouts_per_step=2 * 4, max_off=MAX_OFF)
+    if mooncake:  # every version after the first pulled from the trainer's host, over TCP
+        held = [r.location for r in bodies(log, ev.WeightsReady) if r.version > 0]
+        assert held and all(
+            ref.store == "mooncake" and ref.bucket.startswith(f"{hosts.addresses[0]}:") for ref in held
+        )
     # The worker on the second host loaded the trainer's weights: they came over the cluster.
     assert "inf-h1" in {e.body.worker_id for e in log if isinstance(e.body, ev.WeightsLoaded)}
     ckpts = sorted((run_dir / "trainer").glob("ckpt-v*"))
