@@ -5,28 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib.util
 import itertools
-import sys
 from collections import Counter
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-def load_bench(name: str) -> ModuleType:
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))  # scale_sim.py imports its neighbour load.py
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+from tests.support.benches import load_bench
 
 
 @pytest.fixture(scope="module")

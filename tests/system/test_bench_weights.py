@@ -3,26 +3,16 @@ zero floor. A clear line, never a crash; no store or worker is started."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.support.benches import load_bench
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))  # it imports its neighbour load.py
-    spec = importlib.util.spec_from_file_location("bench_weights", BENCH / "weights.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("weights")
 
 
 def test_median_and_ratio_of_nothing(bench: ModuleType) -> None:
