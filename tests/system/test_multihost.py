@@ -42,6 +42,15 @@ def hosts():
     assert h.exists() == [], "a namespace of the test was left behind"
 
 
+def wait_for_text(path: Path, text: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text(errors="replace"):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{text!r} not in {path}: {path.read_text(errors='replace')[-2000:]}")
+
+
 def wait_ready(hosts: netns.Hosts, url: str, timeout: float = 60.0) -> None:
     """Until the cluster takes a JetStream request, asked from inside the third host."""
     probe = (
@@ -108,6 +117,9 @@ def test_a_run_over_three_hosts_keeps_the_invariants(
         start("inference", inference_host, [*part, "inference", *common, "--worker-id", "inf-h1"])
         start("producer", control_host, [*part, "producer", *common])
         start("recorder", control_host, [*part, "recorder", *common, "--db", db])
+        parts = [*(f"trainer-{k}" for k in range(trainer_nodes)), "inference", "producer", "recorder"]
+        for name in parts:  # started before the run, each says what it waits for
+            wait_for_text(logs / f"{name}.log", f"waiting for run {RUN} to start")
         overrides = [
             *("--trainer.max_steps", str(STEPS), "--trainer.batch_groups", "2"),
             *("--trainer.max_off_policy_steps", str(MAX_OFF), "--trainer.checkpoint_every", "2"),
@@ -120,9 +132,11 @@ def test_a_run_over_three_hosts_keeps_the_invariants(
         coordinator = [*JETRL, "run", "--nats-url", url, "--run-id", RUN, "--parts", "none", "--db", db]
         start("coordinator", control_host, [*coordinator, "--runs-dir", str(tmp_path), *overrides])
         assert procs["coordinator"].wait(420) == 0, output("coordinator")
-        trainers = [f"trainer-{k}" for k in range(trainer_nodes)]
-        for name in (*trainers, "inference", "producer", "recorder"):
+        for name in parts:  # each ends with the run, on its own and cleanly
             assert procs[name].wait(120) == 0, f"{name}: {output(name)}"
+        # One started after the run completed has nothing to do, and says so.
+        late = hosts.run(inference_host, [*part, "inference", *common, "--worker-id", "inf-late"])
+        assert late.returncode == 0 and f"run {RUN} has completed; nothing to do" in late.stdout, late
         dump = tmp_path / "log.msgpack"
         r = hosts.run(control_host, [sys.executable, "-m", "tests.support.dump_log", url, RUN, str(dump)])
         assert r.returncode == 0, r.stderr[-2000:]
