@@ -21,6 +21,7 @@ import subprocess
 from pathlib import Path
 
 import nats.js.errors
+from pydantic import ValidationError
 
 from jetrl.bus import events as ev
 from jetrl.bus import subjects
@@ -58,7 +59,12 @@ async def read_run(bus: Bus, run_id: str) -> tuple[RunState, int] | None:
     for item in await bus.read_log(run_id, filter_subject=subjects.run_subject(run_id)):
         b = item.event.body if item.event else None
         if isinstance(b, ev.RunStarted) and state.config is None:
-            state.config = RunConfig.model_validate(b.config)
+            try:
+                state.config = RunConfig.model_validate(b.config)
+            except ValidationError as exc:  # recorded by another version of jetrl, say
+                raise ConfigError(
+                    f"the config run {run_id} recorded is not one this jetrl reads: {exc}"
+                ) from None
         elif isinstance(b, ev.RunFinished):
             state.finished_seq, state.finished_status = item.seq, b.status
     return (state, head) if state.config is not None else None
@@ -96,7 +102,8 @@ def commands(args: argparse.Namespace, cfg: RunConfig, run_dir: Path) -> list[Pa
         case "inference":
             # Tenants running their own producers read only their views: arrays inline for them.
             inline = sorted({e.tenant for e in cfg.envs if e.remote})
-            return [cmds.inference(args.worker_id or f"inf-{socket.gethostname()}", args.creds, inline)]
+            worker = args.worker_id or f"inf-{socket.gethostname()}"
+            return [cmds.inference(subjects.check_token(worker, "worker id"), args.creds, inline)]
         case "trainer":
             nodes = Nodes(args.nnodes, args.node_rank, args.rdzv_endpoint)
             return [cmds.trainer(args.creds, nodes)]
@@ -175,7 +182,11 @@ async def follow_goal(bus: Bus, run_id: str, from_seq: int, state: RunState) -> 
 
 async def serve(args: argparse.Namespace, bus: Bus, stop: asyncio.Event) -> int:
     log = get_logger(__name__, run_id=args.run, worker_id=f"part-{args.kind}")
-    found = await wait_for_run(bus, args.run, stop)
+    try:
+        found = await wait_for_run(bus, args.run, stop)
+    except ConfigError as exc:
+        print(f"jetrl part {args.kind}: {exc}", flush=True)
+        return 2
     if found is None:
         return 0
     state, head = found
@@ -193,7 +204,7 @@ async def serve(args: argparse.Namespace, bus: Bus, stop: asyncio.Event) -> int:
         state.finished_seq = None
     try:
         cmds = commands(args, state.config, run_dir)
-    except ConfigError as exc:
+    except (ConfigError, ValueError) as exc:  # ValueError: a worker id no subject can carry
         print(f"jetrl part {args.kind}: {exc}", flush=True)
         return 2
     procs = [start(c) for c in cmds]

@@ -4,12 +4,18 @@ are tests/system/test_multihost.py's (over hosts made of network namespaces)."""
 
 from __future__ import annotations
 
+import argparse
 import sys
+from pathlib import Path
 
 import pytest
 
+from jetrl.bus import events as ev
+from jetrl.bus import ids
+from jetrl.bus.client import Bus
 from jetrl.consumers.trainer.settings import TrainerSettings
-from jetrl.deploy.config import ConfigError
+from jetrl.deploy.config import ConfigError, RunConfig
+from jetrl.deploy.part_cmd import commands, read_run
 from jetrl.deploy.parts import Nodes, torchrun
 from jetrl.deploy.run_cmd import local_parts
 
@@ -53,3 +59,19 @@ def test_parts_option() -> None:
     assert local_parts("trainer, recorder") == {"trainer", "recorder"}
     with pytest.raises(ValueError, match="unknown kind"):
         local_parts("trainer,gpu")
+
+
+def test_a_worker_id_no_subject_can_carry_is_refused() -> None:
+    args = argparse.Namespace(
+        kind="inference", run="r", nats_url="nats://h:4222", creds=None, worker_id="a.b"
+    )
+    with pytest.raises(ValueError, match="worker id"):
+        commands(args, RunConfig(), Path("/tmp/r"))
+
+
+async def test_a_part_waits_for_the_run_then_refuses_a_config_it_cannot_read(bus: Bus, run_id: str) -> None:
+    assert await read_run(bus, run_id) is None  # the log is there, no RunStarted yet
+    started = ev.RunStarted(config={"trainer": {"no_such_setting": 1}}, code_version="0", host="h")
+    await bus.publish(ev.new_event(started, run_id=run_id, event_id=ids.run_started_id(run_id)))
+    with pytest.raises(ConfigError, match="is not one this jetrl reads"):
+        await read_run(bus, run_id)
