@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -102,7 +103,8 @@ def commands(args: argparse.Namespace, cfg: RunConfig, run_dir: Path) -> list[Pa
         case "inference":
             # Tenants running their own producers read only their views: arrays inline for them.
             inline = sorted({e.tenant for e in cfg.envs if e.remote})
-            worker = args.worker_id or f"inf-{socket.gethostname()}"
+            # By default the host's name, as one subject token (gpu01.cluster -> inf-gpu01-cluster).
+            worker = args.worker_id or "inf-" + re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:60]
             return [cmds.inference(subjects.check_token(worker, "worker id"), args.creds, inline)]
         case "trainer":
             nodes = Nodes(args.nnodes, args.node_rank, args.rdzv_endpoint)
@@ -264,7 +266,7 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--run", required=True, help="the run id")
     p.add_argument("--creds", default=None, help="this part's credentials file (servers with auth)")
     p.add_argument("--run-dir", default=None, help="checkpoints, settings, file payloads (default runs/RUN)")
-    p.add_argument("--worker-id", default=None, help="inference: the worker's id (default inf-HOSTNAME)")
+    p.add_argument("--worker-id", default=None, help="inference: its id (default inf-HOSTNAME, dots as -)")
     p.add_argument("--env", action="append", default=[], help="producer: run only this env (repeatable)")
     p.add_argument("--db", default=None, help="recorder: the store's URL")
     p.add_argument("--nnodes", type=int, default=1, help="trainer: the machines its ranks span")
