@@ -229,4 +229,3 @@ async def test_weights_held_by_a_killed_trainer_are_announced_again(
     again = [v for v, names in announced.items() if len(names) > 1]
     assert again, f"no version announced anew after the trainer's restart: {announced}"
     assert all(r.location.store == "mooncake" for r in bodies(log, ev.WeightsReady) if r.version > 0)
-
