@@ -112,7 +112,7 @@ class MooncakePayloads:
         self._free_slots = list(range(self.s.keep_objects))
         self._spare: np.ndarray | None = None  # an evicted copy, reused for the next one
         self._registered: collections.Counter[int] = collections.Counter()  # bytes put twice
-        self._released: list[tuple[float, bytes | np.ndarray]] = []  # freed after timeout_s
+        self._released: list[tuple[float, bytes | np.ndarray]] = []  # freed RELEASE_S later
 
     # ------------------------------------------------------------------ the engine
 

@@ -105,7 +105,7 @@ def commands(args: argparse.Namespace, cfg: RunConfig, run_dir: Path) -> list[Pa
             inline = sorted({e.tenant for e in cfg.envs if e.remote})
             # By default the host's name, as one subject token (gpu01.cluster -> inf-gpu01-cluster).
             worker = args.worker_id or "inf-" + re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:60]
-            return [cmds.inference(subjects.check_token(worker, "worker id"), args.creds, inline)]
+            return cmds.inference([subjects.check_token(worker, "worker id")], args.creds, inline)
         case "trainer":
             nodes = Nodes(args.nnodes, args.node_rank, args.rdzv_endpoint)
             return [cmds.trainer(args.creds, nodes)]

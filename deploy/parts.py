@@ -89,18 +89,23 @@ class PartCommands:
             if not pp.env.remote and (envs is None or pp.env.name in envs)
         ]
 
-    def inference(self, worker_id: str, creds: str | None, inline_tenants: list[str]) -> PartCommand:
+    def inference(
+        self, worker_ids: list[str], creds: str | None, inline_tenants: list[str]
+    ) -> list[PartCommand]:
+        """One worker per id, all handed the same settings file."""
         part = self.cfg.inference_part(self.run_dir)
         part.inline_tenants = inline_tenants  # their producers read only their views
-        return PartCommand(
-            f"inference-{worker_id.removeprefix('inf-')}",
-            self._argv(
-                "jetrl.consumers.inference",
-                creds,
-                *("--worker-id", worker_id, "--settings", self.settings_file("inference", part)),
-            ),
-            threads=self.cfg.inference.threads,
-        )
+        settings = self.settings_file("inference", part)
+        return [
+            PartCommand(
+                f"inference-{worker_id.removeprefix('inf-')}",
+                self._argv(
+                    "jetrl.consumers.inference", creds, *("--worker-id", worker_id, "--settings", settings)
+                ),
+                threads=self.cfg.inference.threads,
+            )
+            for worker_id in worker_ids
+        ]
 
     def trainer(self, creds: str | None, nodes: Nodes = Nodes()) -> PartCommand:
         argv = self._argv(

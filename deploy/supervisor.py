@@ -135,10 +135,8 @@ class Supervisor:
         if "inference" in self.local:
             # Registered tenants' producers read only their views: arrays inline for them.
             inline = self.registry.tenants_of(self.run_id) if self.registry is not None else []
-            chosen += [
-                cmds.inference(f"inf-{i}", self.creds("inference"), inline)
-                for i in range(self.cfg.inference.workers)
-            ]
+            workers = [f"inf-{i}" for i in range(self.cfg.inference.workers)]
+            chosen += cmds.inference(workers, self.creds("inference"), inline)
         if "trainer" in self.local:
             chosen.append(cmds.trainer(self.creds("trainer")))
         if "recorder" in self.local and self.cfg.store.recorder:

@@ -198,7 +198,7 @@ class Trainer:
         )
         # Version 0 is where a recovery without a checkpoint starts: where it outlives the trainer.
         store = self.weights_store
-        if v == 0 and store.kind == "mooncake" and self.payloads is not None:
+        if v == 0 and store.kind in HELD_BY_WRITER and self.payloads is not None:
             store = self.payloads.default
         ref = await store.put(f"weights-v{v}", data)
         if not again:
@@ -478,7 +478,7 @@ class Trainer:
         self.payloads = await Payloads.for_run(
             self.bus.js, self.run_id, weights_dir=self.part.weights_dir, mooncake=self.part.mooncake
         )
-        self.weights_store = self.payloads.store("file" if self.part.weights_dir else self.part.weights_store)
+        self.weights_store = self.payloads.store(self.part.weights_store)
         structlog.contextvars.bind_contextvars(run_id=self.run_id, worker_id="trainer")
         await self.recover()
         consumer = await self.bus.consumer(rollout_consumer_spec(self.run_id, self.s), ev.RolloutScored)
