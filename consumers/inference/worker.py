@@ -40,13 +40,14 @@ from jetrl.bus import ids, subjects
 from jetrl.bus.client import Bus, ConsumerSpec, Delivery, keep_alive
 from jetrl.bus.fair import FairPuller, FairQueue, num_pending
 from jetrl.bus.log import get_logger
-from jetrl.bus.payloads import Payloads
+from jetrl.bus.payloads import PayloadError, Payloads
 from jetrl.consumers.inference.admission import DEFAULT_TENANT, Admission, Refusal, limits_for
 from jetrl.consumers.inference.engine import GenerationEngine, GroupRequest, Sample, make_generation_engine
 from jetrl.consumers.inference.settings import InferencePart
 from jetrl.policy.tokenizer import tokenizer_for
 
 TaskQueue = FairQueue[ev.TaskSubmitted]
+UNREADABLE_RETRY_S = 5.0  # an announcement whose bytes failed is tried again after this
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ class InferenceWorker:
         self.stop_ids = tokenizer_for(part.model).stop_ids
         self.engine: GenerationEngine = make_generation_engine(part, worker_id)
         self.latest: ev.WeightsReady | None = None
+        self.unreadable: dict[str, float] = {}  # announced weights that failed: name -> when
         self.new_weights = asyncio.Event()
         self.payloads: Payloads | None = None
         # Engines that batch continuously (vLLM) take several batches at once; weights are only
@@ -100,6 +102,7 @@ class InferenceWorker:
             "tokens": 0,
             "generate_s": 0.0,
             "weight_loads": 0,
+            "weights_unreadable": 0,  # announcements whose bytes could not be read (writer gone)
             "affinity_hits": 0,  # later turns this worker served again
             "affinity_deferred": 0,  # handed back for the worker named
             "affinity_misses": 0,  # taken after waiting: the worker named did not
@@ -144,12 +147,27 @@ class InferenceWorker:
 
     def _is_current(self) -> bool:
         ready = self.latest
-        return ready is None or (self.loaded_version is not None and ready.version <= self.loaded_version)
+        if ready is None or (self.loaded_version is not None and ready.version <= self.loaded_version):
+            return True
+        # Weights that could not be read are tried again only after a while: a newer
+        # announcement (a restarted trainer's) replaces them at once.
+        failed = self.unreadable.get(ready.location.name)
+        return failed is not None and time.monotonic() - failed < UNREADABLE_RETRY_S
 
     async def _load(self, ready: ev.WeightsReady | None) -> None:
         assert self.payloads is not None and ready is not None
         t0 = time.perf_counter()
-        await self.engine.load_weights(ready, self.payloads)
+        try:
+            await self.engine.load_weights(ready, self.payloads)
+        except PayloadError as exc:
+            # Weights held by a writer that died with them (the restarted trainer announces
+            # them anew), or bytes that fail their checksum: keep what is loaded and wait.
+            self.unreadable[ready.location.name] = time.monotonic()
+            self.stats["weights_unreadable"] += 1
+            self.log.warning(
+                "weights_unreadable", version=ready.version, location=ready.location.name, error=str(exc)
+            )
+            return
         self.stats["weight_loads"] += 1
         load_s = time.perf_counter() - t0
         await self.bus.publish(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -202,7 +203,11 @@ async def test_weights_held_by_a_killed_trainer_are_announced_again(
 ) -> None:
     """The trainer holds the weights it announced: killed, it takes them with it, and a worker
     restarted after it finds the newest version gone. The restarted trainer announces them again
-    (a WeightsReady of its own), so the run goes on."""
+    (a WeightsReady of its own), so the run goes on.
+
+    The kill must land after the trainer announced its version (killed between a step and its
+    announcement, it announces the version for the first time, which proves nothing): the
+    worker is paused, so the trainer runs out of rollouts and waits with its version announced."""
     steps, run_id = 6, "mc-kill"
     args = (
         f"--trainer.max_steps {steps} --trainer.batch_groups 2 --trainer.checkpoint_every 2"
@@ -210,22 +215,44 @@ async def test_weights_held_by_a_killed_trainer_are_announced_again(
         " --trainer.ack_wait_s 2 --inference.ack_wait_s 2 --envs.0.ack_wait_s 2"
     )
     cfg = load_config(None, args.split())
-    sup = Supervisor(cfg, run_id, tmp_path / run_id, nats_url=nats_server.url, quiet=True)
+    run_dir = tmp_path / run_id
+    sup = Supervisor(cfg, run_id, run_dir, nats_url=nats_server.url, quiet=True)
     run = asyncio.create_task(sup.run())
-    for victim in ("trainer", "inference-0"):
-        while len(sup.progress.steps) < 3 and not run.done():
-            await asyncio.sleep(0.05)
-        part = next(p for p in sup.parts if p.name == victim)
-        assert part.proc is not None and part.proc.poll() is None
-        part.proc.kill()
-        while part.restarts == 0 and not run.done():
+    while len(sup.progress.steps) < 2 and not run.done():
+        await asyncio.sleep(0.05)
+    trainer, worker = (next(p for p in sup.parts if p.name == n) for n in ("trainer", "inference-0"))
+    assert worker.proc is not None and worker.proc.poll() is None
+    worker.proc.send_signal(signal.SIGSTOP)
+    # Wait until the trainer has no more to train and its newest version is announced.
+    done = 0
+    while not run.done():
+        log = await read_log(nats_server.url, run_id)
+        done = len(bodies(log, ev.StepCompleted))
+        announced = {r.version for r in bodies(log, ev.WeightsReady)}
+        await asyncio.sleep(3)
+        if done in announced and len(sup.progress.steps) == done:
+            break
+    held = done  # the version the killed trainer held, announced once by it
+    assert done < steps, "the run ended before the kill; the test needs more steps"
+    for victim in (trainer, worker):
+        assert victim.proc is not None and victim.proc.poll() is None
+        victim.proc.kill()  # the worker too (paused): it restarts after the trainer
+        while victim.restarts == 0 and not run.done():
             await asyncio.sleep(0.05)
     assert await asyncio.wait_for(run, 240) == 0
+    # The worker waited for the announcement it could read; it did not crash on the dead one.
+    assert (trainer.restarts, worker.restarts) == (1, 1)
     log = await read_log(nats_server.url, run_id)
     assert [s.step for s in bodies(log, ev.StepCompleted)] == list(range(steps))
-    announced: dict[int, set[str]] = {}
+    announced_as: dict[int, set[str]] = {}
     for r in bodies(log, ev.WeightsReady):
-        announced.setdefault(r.version, set()).add(r.location.name)
-    again = [v for v, names in announced.items() if len(names) > 1]
-    assert again, f"no version announced anew after the trainer's restart: {announced}"
+        announced_as.setdefault(r.version, set()).add(r.location.name)
+    recovered = [
+        json.loads(line)["version"]
+        for line in (run_dir / "logs" / "trainer.log").read_text().splitlines()
+        if '"trainer_recovered"' in line
+    ]
+    assert recovered == [held]
+    assert len(announced_as[held]) == 2, f"version {held} not announced anew: {announced_as}"
+    assert all(len(names) == 1 for v, names in announced_as.items() if v != held)
     assert all(r.location.store == "mooncake" for r in bodies(log, ev.WeightsReady) if r.version > 0)

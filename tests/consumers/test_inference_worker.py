@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 
 from jetrl.bus import events as ev
@@ -63,3 +64,27 @@ async def test_a_tenant_reading_only_its_view_gets_long_completions_inline(bus: 
         )
     assert kinds["acme"] == (ev.InlineArray, ev.InlineArray)
     assert kinds["globex"] == (ev.PayloadRef, ev.PayloadRef)
+
+
+async def test_weights_that_cannot_be_read_leave_the_worker_waiting_for_an_announcement_that_can(
+    bus: Bus, run_id: str
+) -> None:
+    """Weights announced by a trainer that died with them: the worker keeps what it has, counts
+    them, does not retry them at once, and loads the same version announced anew."""
+    worker = InferenceWorker(bus, run_id, "inf-0", ORACLE)
+    worker.payloads = await Payloads.for_run(bus.js, run_id)
+    data = b"weights of version 3" * 1000
+    good = await worker.payloads.default.put("weights-v3", data)
+    gone = msgspec.structs.replace(good, name="weights-v3-held-by-the-dead")
+
+    def ready(ref: ev.PayloadRef) -> ev.WeightsReady:
+        return ev.WeightsReady(version=3, location=ref, weights_checksum="x", format="safetensors")
+
+    worker.latest = ready(gone)
+    await worker.load_latest()
+    assert worker.loaded_version is None and worker.stats["weights_unreadable"] == 1
+    await worker.load_latest()  # not tried again straight away
+    assert worker.stats["weights_unreadable"] == 1
+    worker.latest = ready(good)  # the restarted trainer's announcement
+    await worker.load_latest()
+    assert worker.loaded_version == 3 and worker.stats["weight_loads"] == 1
