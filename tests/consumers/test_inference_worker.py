@@ -87,4 +87,4 @@ async def test_weights_that_cannot_be_read_leave_the_worker_waiting_for_an_annou
     assert worker.stats["weights_unreadable"] == 1
     worker.latest = ready(good)  # the restarted trainer's announcement
     await worker.load_latest()
-    assert worker.loaded_version == 3 and worker.stats["weight_loads"] == 1
+    assert (worker.loaded_version, worker.stats["weight_loads"]) == (3, 1)
