@@ -35,6 +35,7 @@ __all__ = [
     "RolloutScored",
     "RolloutWithheld",
     "RunFinished",
+    "RunResumed",
     "RunStarted",
     "StepCompleted",
     "TaskSubmitted",
@@ -131,6 +132,19 @@ class RunStarted(EventBody, frozen=True):
     code_version: str
     host: str = ""
     library_versions: dict[str, str] = {}
+
+
+class RunResumed(EventBody, frozen=True):
+    """``jetrl resume``: the run goes on (after a RunFinished, or a coordinator that died) with
+    this config, the recorded one with the resume's overrides. Parts read the newest of
+    RunStarted and RunResumed; RunStarted stays the run's origin."""
+
+    TYPE: ClassVar[str] = "RunResumed"
+    config: dict[str, Any]
+    code_version: str
+    host: str = ""
+    library_versions: dict[str, str] = {}
+    overrides: list[str] = []
 
 
 RunStatus = Literal["completed", "failed", "cancelled"]
@@ -387,6 +401,7 @@ CATALOG: dict[str, type[EventBody]] = {
     cls.TYPE: cls
     for cls in (
         RunStarted,
+        RunResumed,
         RunFinished,
         TaskSubmitted,
         GenerationCompleted,

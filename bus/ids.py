@@ -83,8 +83,15 @@ def run_started_id(run_id: str) -> str:
     return derived_id(run_id, "started")
 
 
-def run_finished_id(run_id: str, status: str, steps: int) -> str:
-    return derived_id(run_id, f"finished/{status}/{steps}")
+def run_resumed_id(run_id: str, after_seq: int) -> str:
+    """One resume per position in the log: a retried publish is stored once."""
+    return derived_id(run_id, f"resumed/{after_seq}")
+
+
+def run_finished_id(run_id: str, status: str, steps: int, since: int) -> str:
+    """``since``: the log position of the RunStarted or RunResumed it ends (a resumed run that
+    ends as before ends anew)."""
+    return derived_id(run_id, f"finished/{status}/{steps}/{since}")
 
 
 def task_event_id(run_id: str, task: str) -> str:

@@ -1,6 +1,6 @@
 """Subject layout of a run's log (docs/events.md).
 
-    jetrl.<run>.run                          RunStarted, RunFinished
+    jetrl.<run>.run                          RunStarted, RunResumed, RunFinished
     jetrl.<run>.task.<tenant>.<env>          TaskSubmitted
     jetrl.<run>.generation.<tenant>.<env>    GenerationCompleted
     jetrl.<run>.rollout.<tenant>.<env>       RolloutScored, RolloutWithheld
@@ -151,6 +151,7 @@ def _worker_event(e: ev.Event) -> str:
 # A dict lookup by body class: this runs once per published event.
 _SUBJECT_OF: dict[type[ev.EventBody], Callable[[ev.Event], str]] = {
     ev.RunStarted: lambda e: run_subject(e.run_id),
+    ev.RunResumed: lambda e: run_subject(e.run_id),
     ev.RunFinished: lambda e: run_subject(e.run_id),
     ev.TaskSubmitted: _scoped_event("task"),
     ev.GenerationCompleted: _scoped_event("generation"),

@@ -1,12 +1,13 @@
 """`jetrl part KIND --nats-url URLS --run RUN [--creds FILE] ...`: one part of a run, anywhere.
 
-The part reads the run's configuration from its log (the RunStarted event), waiting with a
-clear message when it starts before the run does, and runs the very process the local
-supervisor would (deploy/parts.py) as its child. It ends when the run does: when RunFinished
-enters the log the child is stopped (the recorder once it has recorded up to it), or when the
-child exits, with its exit code, so whatever started the part (Slurm, Kubernetes, a shell
-loop) restarts a crashed one; a restarted part rebuilds itself from the log. A trainer over
-several machines runs this on each, with its node rank (torchrun under it).
+The part reads the run's configuration from its log (the newest of RunStarted and
+RunResumed), waiting with a clear message when it starts before the run does, and runs the very
+process the local supervisor would (deploy/parts.py) as its child; a resume with another config
+(`jetrl resume RUN --trainer.max_steps 2000`) restarts the child with it. It ends when the run
+does: when RunFinished enters the log the child is stopped (the recorder once it has recorded up
+to it), or when the child exits, with its exit code, so whatever started the part (Slurm,
+Kubernetes, a shell loop) restarts a crashed one; a restarted part rebuilds itself from the
+log. A trainer over several machines runs this on each, with its node rank (torchrun under it).
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ class RunState:
     """What a part knows of its run from the log's run subject."""
 
     def __init__(self) -> None:
-        self.config: RunConfig | None = None
+        self.config: RunConfig | None = None  # the newest: RunStarted's, or a resume's
+        self.resumed: RunConfig | None = None  # a resume's seen while serving, not yet taken up
+        self.resumed_seq = 0  # the newest RunResumed: a final step before it is a past goal
         self.finished_seq: int | None = None  # the RunFinished that ends the run
         self.finished_status = ""
         self.goal_reached = False  # the trainer's final step is in the log
@@ -60,15 +63,21 @@ async def read_run(bus: Bus, run_id: str) -> tuple[RunState, int] | None:
     for item in await bus.read_log(run_id, filter_subject=subjects.run_subject(run_id)):
         b = item.event.body if item.event else None
         if isinstance(b, ev.RunStarted) and state.config is None:
-            try:
-                state.config = RunConfig.model_validate(b.config)
-            except ValidationError as exc:  # recorded by another version of jetrl, say
-                raise ConfigError(
-                    f"the config run {run_id} recorded is not one this jetrl reads: {exc}"
-                ) from None
+            state.config = recorded_config(run_id, b)
+        elif isinstance(b, ev.RunResumed):
+            state.config = recorded_config(run_id, b)
+            state.finished_seq, state.finished_status = None, ""  # it goes on
+            state.resumed_seq = item.seq
         elif isinstance(b, ev.RunFinished):
             state.finished_seq, state.finished_status = item.seq, b.status
     return (state, head) if state.config is not None else None
+
+
+def recorded_config(run_id: str, b: ev.RunStarted | ev.RunResumed) -> RunConfig:
+    try:
+        return RunConfig.model_validate(b.config)
+    except ValidationError as exc:  # recorded by another version of jetrl, say
+        raise ConfigError(f"the config run {run_id} recorded is not one this jetrl reads: {exc}") from None
 
 
 async def wait_for_run(bus: Bus, run_id: str, stop: asyncio.Event) -> tuple[RunState, int] | None:
@@ -152,22 +161,29 @@ async def recorded_up_to(db: str, run_id: str, seq: int, timeout: float) -> bool
         store.close()
 
 
-async def follow_finish(bus: Bus, run_id: str, from_seq: int, state: RunState) -> None:
-    """Wait for RunFinished to enter the log after ``from_seq``."""
+async def follow_run(bus: Bus, run_id: str, from_seq: int, state: RunState) -> None:
+    """Follow the run subject after ``from_seq``: a resume's config, until RunFinished."""
+    log = get_logger(__name__, run_id=run_id)
     async for item in bus.tail(run_id, filter_subject=subjects.run_subject(run_id), from_seq=from_seq):
-        if item.event is not None and isinstance(item.event.body, ev.RunFinished):
-            state.finished_seq, state.finished_status = item.seq, item.event.body.status
+        b = item.event.body if item.event else None
+        if isinstance(b, ev.RunResumed):
+            try:
+                state.resumed = recorded_config(run_id, b)
+            except ConfigError as exc:  # the children go on with the config they have
+                log.error("resume_config_unreadable", error=str(exc))
+        elif isinstance(b, ev.RunFinished):
+            state.finished_seq, state.finished_status = item.seq, b.status
             return
 
 
-async def goal_reached(bus: Bus, run_id: str) -> bool:
-    """Whether the newest step in the log is the trainer's final one."""
+async def goal_reached(bus: Bus, run_id: str, after_seq: int = 0) -> bool:
+    """Whether the newest step in the log is the trainer's final one (after ``after_seq``)."""
     try:
         msg = await bus.js.get_last_msg(stream_name(run_id), subjects.step_subject(run_id), direct=True)
     except nats.js.errors.NotFoundError:
         return False
     body = ev.decode_event(msg.data or b"", msg.headers).body
-    return isinstance(body, ev.StepCompleted) and body.final
+    return isinstance(body, ev.StepCompleted) and body.final and (msg.seq or 0) > after_seq
 
 
 async def follow_goal(bus: Bus, run_id: str, from_seq: int, state: RunState) -> None:
@@ -180,6 +196,33 @@ async def follow_goal(bus: Bus, run_id: str, from_seq: int, state: RunState) -> 
         if isinstance(b, ev.StepCompleted) and b.final:
             state.goal_reached = True
             return
+
+
+async def take_up_resume(
+    args: argparse.Namespace,
+    state: RunState,
+    run_dir: Path,
+    procs: list[subprocess.Popen[bytes]],
+    cmds: list[PartCommand],
+) -> tuple[list[subprocess.Popen[bytes]], list[PartCommand]]:
+    """The run was resumed: with another config, the children restart with it (each rebuilds
+    itself from the log, as after a crash); with the same, they go on."""
+    new, state.resumed = state.resumed, None
+    assert new is not None and state.config is not None
+    log = get_logger(__name__, run_id=args.run, worker_id=f"part-{args.kind}")
+    if new.model_dump(mode="json") == state.config.model_dump(mode="json"):
+        log.info("run_resumed", config="unchanged")
+        return procs, cmds
+    try:
+        new_cmds = commands(args, new, run_dir)
+    except (ConfigError, ValueError) as exc:
+        log.error("resume_config_refused", error=str(exc))
+        return procs, cmds
+    state.config = new
+    await asyncio.to_thread(stop_all, procs)
+    log.info("run_resumed", config="changed", parts=[c.name for c in new_cmds])
+    print(f"jetrl part {args.kind}: run {args.run} resumed with another config; restarting", flush=True)
+    return [start(c) for c in new_cmds], new_cmds
 
 
 async def serve(args: argparse.Namespace, bus: Bus, stop: asyncio.Event) -> int:
@@ -197,7 +240,8 @@ async def serve(args: argparse.Namespace, bus: Bus, stop: asyncio.Event) -> int:
     if state.finished_status == "completed" and args.kind != "recorder":
         print(f"jetrl part: run {args.run} has completed; nothing to do", flush=True)
         return 0
-    if args.kind in ENDS_AT_GOAL and state.finished_seq is None and await goal_reached(bus, args.run):
+    past_goal = state.finished_seq is None and await goal_reached(bus, args.run, state.resumed_seq)
+    if args.kind in ENDS_AT_GOAL and past_goal:
         print(f"jetrl part: run {args.run} has trained its last step; nothing to do", flush=True)
         return 0
     if state.finished_seq is not None and state.finished_status != "completed":
@@ -212,11 +256,13 @@ async def serve(args: argparse.Namespace, bus: Bus, stop: asyncio.Event) -> int:
     procs = [start(c) for c in cmds]
     log.info("part_started", kind=args.kind, parts=[c.name for c in cmds], pids=[p.pid for p in procs])
     print(f"jetrl part {args.kind}: run {args.run}, started {', '.join(c.name for c in cmds)}", flush=True)
-    watchers = [asyncio.create_task(follow_finish(bus, args.run, head + 1, state))]
+    watchers = [asyncio.create_task(follow_run(bus, args.run, head + 1, state))]
     if args.kind in ENDS_AT_GOAL:
         watchers.append(asyncio.create_task(follow_goal(bus, args.run, head + 1, state)))
     try:
         while not stop.is_set() and state.finished_seq is None and not state.goal_reached:
+            if state.resumed is not None:
+                procs, cmds = await take_up_resume(args, state, run_dir, procs, cmds)
             codes = [p.poll() for p in procs]
             failed = [c for c in codes if c not in (None, 0)]
             if failed or all(c == 0 for c in codes):

@@ -47,6 +47,7 @@ def main(args: argparse.Namespace) -> int:
         db_url=args.db,
         tenants_dir=Path(tenants_dir(args.tenants_dir)),
         local=local,
+        overrides=args.overrides,
     )
     return asyncio.run(sup.run())
 

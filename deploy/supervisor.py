@@ -90,6 +90,7 @@ class Supervisor:
         quiet: bool = False,
         tenants_dir: Path | None = None,
         local: frozenset[str] = frozenset(KINDS),
+        overrides: list[str] | None = None,
     ) -> None:
         self.cfg = cfg
         self.run_id = subjects.check_token(run_id, "run id")
@@ -98,7 +99,9 @@ class Supervisor:
         self.db_url = db_url or cfg.store.db or f"sqlite:///{(run_dir / 'store.db').resolve()}"
         self.quiet = quiet
         self.local = local  # the kinds of part started here; the others run elsewhere
+        self.overrides = list(overrides or [])  # a resume's, recorded in its RunResumed
         self.final_step_seen = asyncio.Event()  # the trainer said its goal is reached
+        self.announced_seq = 0  # this run's RunStarted, or this resume's RunResumed
         self.server: EmbeddedServer | None = None
         self.parts: list[Part] = []
         self.progress = Progress()
@@ -187,10 +190,30 @@ class Supervisor:
             except Exception as exc:  # a view is the tenant's way in, not the run's: keep going
                 self.log.warning("tenant_view_failed", tenant=tenant, error=repr(exc))
 
-    async def already_started(self, bus: Bus) -> bool:
-        """A resumed run keeps its first RunStarted (and the config recorded there)."""
+    async def announce(self, bus: Bus) -> None:
+        """RunStarted for a new run; a resumed one keeps its RunStarted and says RunResumed with
+        the config it goes on with, which parts elsewhere take up (deploy/part_cmd.py)."""
         items = await bus.read_log(self.run_id, filter_subject=subjects.run_subject(self.run_id))
-        return any(item.event and isinstance(item.event.body, ev.RunStarted) for item in items)
+        resumed = any(item.event and isinstance(item.event.body, ev.RunStarted) for item in items)
+        started = ev.RunStarted(
+            config=self.cfg.model_dump(mode="json"),
+            code_version=__version__,
+            host=socket.gethostname(),
+            library_versions=library_versions(),
+        )
+        body: ev.EventBody = started
+        event_id = ids.run_started_id(self.run_id)
+        if resumed:
+            body = ev.RunResumed(
+                config=started.config,
+                code_version=started.code_version,
+                host=started.host,
+                library_versions=started.library_versions,
+                overrides=self.overrides,
+            )
+            event_id = ids.run_resumed_id(self.run_id, items[-1].seq)
+        ack = await bus.publish(ev.new_event(body, run_id=self.run_id, event_id=event_id))
+        self.announced_seq = int(ack.seq)
 
     def check_server(self) -> None:
         """The embedded nats-server is a part too: restarted on its port and files, where
@@ -279,7 +302,9 @@ class Supervisor:
                 if not isinstance(b, ev.StepCompleted):
                     continue
                 self.progress.report.add(b, time.monotonic() - self.progress.started)
-                if b.final:
+                # A final step before a resume is the goal of the run before it, unless the
+                # resume asks no more steps than it reached.
+                if b.final and (item.seq > self.announced_seq or b.step >= self.cfg.trainer.max_steps - 1):
                     self.final_step_seen.set()
                 now = time.monotonic()
                 if now - self.progress.last_print >= 2.0 or b.step == self.cfg.trainer.max_steps - 1:
@@ -320,20 +345,7 @@ class Supervisor:
         try:
             await bus.ensure_run(self.run_id, self.cfg.bus.limits())
             await self.ensure_views(bus)
-            resumed = await self.already_started(bus)
-            if not resumed:
-                await bus.publish(
-                    ev.new_event(
-                        ev.RunStarted(
-                            config=self.cfg.model_dump(mode="json"),
-                            code_version=__version__,
-                            host=socket.gethostname(),
-                            library_versions=library_versions(),
-                        ),
-                        run_id=self.run_id,
-                        event_id=ids.run_started_id(self.run_id),
-                    )
-                )
+            await self.announce(bus)
             self.say(
                 f"jetrl run {self.run_id}: {len(self.cfg.envs)} env(s), "
                 f"{self.cfg.inference.workers} inference worker(s), model {self.cfg.model.name}, "
@@ -395,7 +407,7 @@ class Supervisor:
                     ev.new_event(
                         ev.RunFinished(status=status, steps=steps, reason=reason),
                         run_id=self.run_id,
-                        event_id=ids.run_finished_id(self.run_id, status, steps),
+                        event_id=ids.run_finished_id(self.run_id, status, steps, self.announced_seq),
                     )
                 )
             head = await bus.last_seq(self.run_id)

@@ -155,6 +155,14 @@ def _run_started(item: Logged, b: ev.RunStarted) -> list[Partial]:
     return [Partial(RUNS, (e.run_id,), item.seq, values, "started_seq", {"status": "running"})]
 
 
+def _run_resumed(item: Logged, b: ev.RunResumed) -> list[Partial]:
+    # The run is running again: its lifecycle group (last wins) until it finishes anew. Its
+    # config stays RunStarted's; the resume's is in the log.
+    e = item.event
+    values = {"status": "running", "steps": None, "finish_reason": None, "finished_at": None}
+    return [Partial(RUNS, (e.run_id,), item.seq, values, "finished_seq", {"tenant": e.tenant})]
+
+
 def _run_finished(item: Logged, b: ev.RunFinished) -> list[Partial]:
     e = item.event
     values = {"status": b.status, "steps": b.steps, "finish_reason": b.reason, "finished_at": e.time}
@@ -394,6 +402,7 @@ def _entry(body: type[B], projector: Projector[B]) -> tuple[type[ev.EventBody], 
 PROJECTORS: dict[type[ev.EventBody], Projector[ev.EventBody]] = dict(
     [
         _entry(ev.RunStarted, _run_started),
+        _entry(ev.RunResumed, _run_resumed),
         _entry(ev.RunFinished, _run_finished),
         _entry(ev.TaskSubmitted, _task_submitted),
         _entry(ev.GenerationCompleted, _generation_completed),

@@ -51,7 +51,7 @@ class Run(Base):
     started_at: Mapped[float | None] = mapped_column(Float)
     started_event_id: Mapped[str | None] = mapped_column(Id)
     started_seq: Mapped[int | None] = mapped_column(sa.BigInteger)
-    # RunFinished (last wins); "running" until then
+    # RunFinished (last wins); "running" until then, and again after a RunResumed
     status: Mapped[str] = mapped_column(sa.String(16))
     steps: Mapped[int | None] = mapped_column(sa.Integer)
     finish_reason: Mapped[str | None] = mapped_column(sa.Text)

@@ -25,6 +25,15 @@ class Started:
 
 
 @dataclass(frozen=True, slots=True)
+class Resumed:
+    """The run goes on, with this config (a resume's overrides in it)."""
+
+    seq: int
+    t: float
+    config: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
 class Finished:
     seq: int
     t: float
@@ -126,7 +135,18 @@ class Alerted:
 
 
 Record = (
-    Started | Finished | Tasked | Generated | Scored | Withheld | Stepped | Dead | Beat | Loaded | Alerted
+    Started
+    | Resumed
+    | Finished
+    | Tasked
+    | Generated
+    | Scored
+    | Withheld
+    | Stepped
+    | Dead
+    | Beat
+    | Loaded
+    | Alerted
 )
 
 
@@ -186,6 +206,8 @@ def of_event(seq: int, event: ev.Event) -> Record | None:
             return Alerted(seq, t, b.rule, b.key, b.state, b.severity, b.message, b.step)
         case ev.RunStarted():
             return Started(seq, t, dict(b.config))
+        case ev.RunResumed():
+            return Resumed(seq, t, dict(b.config))
         case ev.RunFinished():
             return Finished(seq, t, b.status, b.steps)
     return None
@@ -203,7 +225,7 @@ def of_store(conn: sa.Connection, run_id: str) -> Iterator[Record]:
     for r in rows(sc.Run):
         if r["started_seq"] is not None:
             out.append(Started(r["started_seq"], r["started_at"], dict(r["config"] or {})))
-        if r["finished_seq"] is not None:
+        if r["finished_seq"] is not None and r["status"] != "running":  # not resumed since
             out.append(Finished(r["finished_seq"], r["finished_at"], r["status"], r["steps"] or 0))
     for r in rows(sc.Task):
         out.append(Tasked(r["seq"], r["submitted_at"], r["tenant"], r["env"], r["group_size"]))

@@ -200,6 +200,9 @@ class MonitorState:
             case rec.Started():
                 self.config = dict(r.config)
                 self.started_at = r.t
+            case rec.Resumed():
+                self.config = dict(r.config)
+                self.finished = None
             case rec.Finished():
                 self.finished = r
         return None

@@ -86,7 +86,8 @@ def test_every_type_has_a_subject_under_its_run(body: ev.EventBody) -> None:
 
 def test_subject_tokens_are_validated() -> None:
     with pytest.raises(subjects.InvalidName, match="tenant"):
-        subjects.subject_for(ev.new_event(sample_bodies()[2], run_id="r1", tenant="a.b"))
+        task = next(b for b in sample_bodies() if isinstance(b, ev.TaskSubmitted))
+        subjects.subject_for(ev.new_event(task, run_id="r1", tenant="a.b"))
     with pytest.raises(subjects.InvalidName, match="run id"):
         subjects.all_subjects("run>1")
     assert subjects.task_subject("r1") == "jetrl.r1.task.*.*"

@@ -26,6 +26,7 @@ metrics = st.dictionaries(
 
 record = st.one_of(
     st.builds(rec.Started, seq, t, st.just({"trainer": {"max_off_policy_steps": "two"}})),
+    st.builds(rec.Resumed, seq, t, st.just({"trainer": {"max_steps": -1}})),
     st.builds(rec.Finished, seq, t, st.sampled_from(["completed", "failed"]), small),
     st.builds(rec.Tasked, seq, t, ids, ids, small),
     st.builds(rec.Generated, seq, t, ids, ids, st.sampled_from(["stop", "length", "error"]), small, num, num),

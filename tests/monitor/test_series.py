@@ -128,3 +128,23 @@ def test_the_store_shows_what_the_log_shows(store: Store) -> None:
         w: (s.kind, s.loaded_version, s.status) for w, s in from_log.workers.items()
     }
     assert from_db.snapshot(0)["latest"] == from_log.snapshot(0)["latest"]
+
+
+def test_a_resumed_run_is_running_again_with_the_resumes_config(store: Store) -> None:
+    rid = "mon-resumed"
+    lifecycle = [
+        ev.RunStarted(config={"trainer": {"max_steps": 3}}, code_version="0"),
+        ev.RunFinished(status="completed", steps=3),
+        ev.RunResumed(config={"trainer": {"max_steps": 5}}, code_version="0"),
+    ]
+    items = log_items([ev.new_event(b, run_id=rid) for b in lifecycle])
+    state = MonitorState(rid)
+    for item in items:
+        r = rec.of_event(item.seq, item.event)
+        assert r is not None
+        state.apply(r)
+    assert state.snapshot(0)["status"] == "running" and state.config == {"trainer": {"max_steps": 5}}
+    with store.write() as conn:
+        apply_batch(conn, run_id=rid, stream="S", consumer="c", items=items)
+    with store.read() as conn:
+        assert from_store(conn, rid).snapshot(0)["status"] == "running"

@@ -6,8 +6,11 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+import sqlalchemy as sa
+
 from jetrl.bus import events as ev
 from jetrl.store import dump
+from jetrl.store import schema as sc
 from jetrl.store.db import Store
 from jetrl.store.projection import LogItem, apply_batch, fold
 from jetrl.store.projectors import PROJECTORS
@@ -112,3 +115,32 @@ def test_non_finite_metrics_are_kept_readable(store: Store) -> None:
 
 def test_every_event_type_has_a_projector() -> None:
     assert set(PROJECTORS) == set(ev.CATALOG.values())
+
+
+def test_a_resume_makes_a_finished_run_running_until_it_finishes_again(store: Store) -> None:
+    rid = "resumed"
+    lifecycle = [
+        ev.RunStarted(config={"trainer": {"max_steps": 3}}, code_version="0"),
+        ev.RunFinished(status="cancelled", steps=1, reason="interrupted"),
+        ev.RunResumed(config={"trainer": {"max_steps": 5}}, code_version="0"),
+        ev.RunFinished(status="completed", steps=5),
+    ]
+    items = log_items([ev.new_event(b, run_id=rid) for b in lifecycle])
+    seen = []
+    for i in range(len(items)):
+        with store.write() as conn:
+            apply_batch(conn, run_id=rid, stream="S", consumer="c", items=items[i : i + 1])
+        with store.read() as conn:
+            q = sa.select(sc.Run.status, sc.Run.steps, sc.Run.finish_reason).where(sc.Run.run_id == rid)
+            seen.append(tuple(conn.execute(q).one()))
+    assert seen == [
+        ("running", None, None),
+        ("cancelled", 1, "interrupted"),
+        ("running", None, None),
+        ("completed", 5, ""),
+    ]
+    # Applied in any order, the last lifecycle event wins; the config stays RunStarted's.
+    project(store, items[::-1], rid, [1], consumer="reversed")
+    with store.read() as conn:
+        row = conn.execute(sa.select(sc.Run.status, sc.Run.config).where(sc.Run.run_id == rid)).one()
+    assert tuple(row) == ("completed", {"trainer": {"max_steps": 3}})

@@ -29,6 +29,12 @@ def sample_bodies() -> list[ev.EventBody]:
             host="h",
             library_versions={"torch": "2.13.0"},
         ),
+        ev.RunResumed(
+            config={"trainer": {"lr": 1e-3, "max_steps": 80}, "seed": 7},
+            code_version="0.1.0",
+            host="h2",
+            overrides=["--trainer.max_steps", "80"],
+        ),
         ev.RunFinished(status="completed", steps=40, reason=""),
         ev.TaskSubmitted(
             task_id="reverse.acme.1",

@@ -2,7 +2,8 @@
 cluster spread over them, the trainer on one, inference on another, the producer, the recorder
 and the coordinator on the third, each started with `jetrl part` / `jetrl run --parts none` as
 on separate machines. The hosts reach each other only over their private subnet; the run must
-keep the invariants of a run on one machine."""
+keep the invariants of a run on one machine. Completed, the run is resumed with more steps and
+its parts started again elsewhere: they take up the resume's config (RunResumed)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from tests.support.runlog import bodies
 pytestmark = [pytest.mark.slow]
 
 STEPS = 4
+MORE = 6  # the steps of the run resumed after it completed
 MAX_OFF = 1
 RUN = "multihost"
 JETRL = [sys.executable, "-m", "jetrl.deploy.cli"]
@@ -137,6 +139,27 @@ def test_a_run_over_three_hosts_keeps_the_invariants(
         # One started after the run completed has nothing to do, and says so.
         late = hosts.run(inference_host, [*part, "inference", *common, "--worker-id", "inf-late"])
         assert late.returncode == 0 and f"run {RUN} has completed; nothing to do" in late.stdout, late
+        if trainer_nodes == 1:  # the completed run resumed with more steps, its parts elsewhere
+            resume = [
+                *JETRL,
+                "resume",
+                RUN,
+                "--runs-dir",
+                str(tmp_path),
+                "--nats-url",
+                url,
+                "--parts",
+                "none",
+            ]
+            start("resume", control_host, [*resume, "--db", db, "--trainer.max_steps", str(MORE)])
+            wait_for_text(logs / "resume.log", f"jetrl run {RUN}:")  # its RunResumed is in the log
+            start("trainer-again", 0, [*trainer, "--node-rank", "0"], env={"GLOO_SOCKET_IFNAME": "eth0"})
+            start("inference-again", inference_host, [*part, "inference", *common, "--worker-id", "inf-h1"])
+            start("producer-again", control_host, [*part, "producer", *common])
+            start("recorder-again", control_host, [*part, "recorder", *common, "--db", db])
+            assert procs["resume"].wait(420) == 0, output("resume")
+            for name in ("trainer-again", "inference-again", "producer-again", "recorder-again"):
+                assert procs[name].wait(120) == 0, f"{name}: {output(name)}"
         dump = tmp_path / "log.msgpack"
         r = hosts.run(control_host, [sys.executable, "-m", "tests.support.dump_log", url, RUN, str(dump)])
         assert r.returncode == 0, r.stderr[-2000:]
@@ -147,7 +170,20 @@ def test_a_run_over_three_hosts_keeps_the_invariants(
                 p.wait()
 
     log = load(dump)
-    assert_run_invariants(log, steps=STEPS, rollouts_per_step=2 * 4, max_off=MAX_OFF)
+    first_end = next(i for i, e in enumerate(log) if isinstance(e.body, ev.RunFinished))
+    assert_run_invariants(log[: first_end + 1], steps=STEPS, rollouts_per_step=2 * 4, max_off=MAX_OFF)
+    steps = STEPS if trainer_nodes > 1 else MORE
+    if trainer_nodes == 1:
+        (resumed,) = bodies(log, ev.RunResumed)
+        assert resumed.config["trainer"]["max_steps"] == MORE
+        assert resumed.overrides == ["--trainer.max_steps", str(MORE)]
+        assert [f.status for f in bodies(log, ev.RunFinished)] == ["completed", "completed"]
+        done = bodies(log, ev.StepCompleted)
+        assert [s.step for s in done] == list(range(MORE)) and [s.final for s in done].count(True) == 2
+        trained = [rid for s in done for rid in s.rollout_ids]
+        assert len(trained) == len(set(trained)), "a rollout was trained twice"
+        scored = {r.rollout_id for r in bodies(log, ev.RolloutScored)}
+        assert scored == set(trained) | {w.rollout_id for w in bodies(log, ev.RolloutWithheld)}
     if mooncake:  # every version after the first pulled from the trainer's host, over TCP
         held = [r.location for r in bodies(log, ev.WeightsReady) if r.version > 0]
         assert held and all(
@@ -161,7 +197,7 @@ def test_a_run_over_three_hosts_keeps_the_invariants(
     assert len(list(ckpts[-1].glob("*.distcp"))) == (trainer_nodes if trainer_nodes > 1 else 0)
     store = open_store(db)
     try:
-        assert [h.step for h in queries.step_history(store, RUN)] == list(range(STEPS))
+        assert [h.step for h in queries.step_history(store, RUN)] == list(range(steps))
         assert queries.recorded_seq(store, RUN) == len(log)
     finally:
         store.close()
