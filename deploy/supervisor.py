@@ -30,7 +30,7 @@ from jetrl.bus.client import Bus
 from jetrl.bus.log import get_logger
 from jetrl.bus.server import EmbeddedServer
 from jetrl.bus.streams import ensure_tenant_view, run_usage, stream_name
-from jetrl.consumers.trainer.withholding import close_out, rollout_consumer_spec
+from jetrl.consumers.trainer.withholding import close_out
 from jetrl.deploy.config import RunConfig, library_versions
 from jetrl.deploy.parts import KINDS, PartCommand, PartCommands
 from jetrl.deploy.report import RunReport
@@ -422,20 +422,19 @@ class Supervisor:
     async def wait_for_parts_elsewhere(self, bus: Bus) -> None:
         """With the trainer on another machine, the run ends when its final step is in the log;
         producers and inference elsewhere stop then (`jetrl part` ends them there). The close-out
-        must see every rollout: it waits until no new one has come for ``SETTLE_S`` and the
-        trainer holds none (it returns those it held when it stops)."""
+        must see every rollout: this waits until no new one has come for ``SETTLE_S``, and the
+        close-out then drains the trainer's durable (not waited for here: a rollout the trainer
+        returned with a nak counts as unacknowledged there until the close-out fetches it)."""
         stream = stream_name(self.run_id)
-        durable = rollout_consumer_spec(self.run_id, self.cfg.trainer).durable
         rollouts = subjects.rollout_subject(self.run_id)
         deadline = time.monotonic() + self.cfg.trainer.ack_wait_s + 30.0
         seen, since = -1, time.monotonic()
         while time.monotonic() < deadline:
             info = await bus.js.stream_info(stream, subjects_filter=rollouts)
             count = sum((info.state.subjects or {}).values())
-            held = (await bus.js.consumer_info(stream, durable)).num_ack_pending
             if count != seen:
                 seen, since = count, time.monotonic()
-            elif held == 0 and time.monotonic() - since >= SETTLE_S:
+            elif time.monotonic() - since >= SETTLE_S:
                 return
             await asyncio.sleep(0.25)
         self.log.warning("parts_elsewhere_not_settled", rollouts=seen)

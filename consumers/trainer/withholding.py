@@ -5,15 +5,20 @@ When a run finishes, rollouts scored after the trainer's last step remain in its
 trained nor withheld. :func:`close_out` binds the trainer's durable consumer once every part
 has stopped and withholds each rollout it still holds, with reason ``run_finished``, so that a
 reader of the log accounts for every rollout (docs/events.md). A redelivered rollout that the
-log says was trained is only acked.
+log says was trained is only acked. It ends when the durable has none left, pending or
+unacknowledged: a rollout the trainer returned (nak) comes at once, one held by a trainer that
+died comes after the ack wait.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from jetrl.bus import events as ev
 from jetrl.bus import ids, subjects
 from jetrl.bus.client import Bus, ConsumerSpec, Delivery
 from jetrl.bus.log import get_logger
+from jetrl.bus.streams import stream_name
 from jetrl.consumers.trainer.settings import TrainerSettings
 
 ScoredDelivery = Delivery[ev.RolloutScored]
@@ -56,7 +61,9 @@ def withheld_event(
     )
 
 
-async def close_out(bus: Bus, run_id: str, settings: TrainerSettings, *, idle_s: float = 1.0) -> int:
+async def close_out(
+    bus: Bus, run_id: str, settings: TrainerSettings, *, idle_s: float = 1.0, patience_s: float | None = None
+) -> int:
     """Withhold what the trainer never settled; returns how many rollouts were withheld. Call it
     only when no trainer runs (it takes the trainer's consumer) and the run will not resume."""
     trained: set[str] = set()
@@ -65,17 +72,31 @@ async def close_out(bus: Bus, run_id: str, settings: TrainerSettings, *, idle_s:
         if item.event is not None and isinstance(item.event.body, ev.StepCompleted):
             trained.update(item.event.body.rollout_ids)
             version = max(version, item.event.body.policy_version)
-    consumer = await bus.consumer(rollout_consumer_spec(run_id, settings), ev.RolloutScored)
+    spec = rollout_consumer_spec(run_id, settings)
+    consumer = await bus.consumer(spec, ev.RolloutScored)
+    log = get_logger(__name__, run_id=run_id)
+    loop = asyncio.get_running_loop()
+    # Past the ack wait every rollout a dead holder had is delivered again.
+    deadline = loop.time() + (settings.ack_wait_s + 5.0 if patience_s is None else patience_s)
     withheld = 0
     try:
-        while batch := await consumer.fetch(256, timeout=idle_s):
+        while True:
+            batch = await consumer.fetch(256, timeout=idle_s)
             for d in batch:
                 if d.body.rollout_id not in trained:
                     detail = f"the run finished at version {version} before it was trained"
                     await bus.publish(withheld_event(run_id, d, "run_finished", detail, version))
                     withheld += 1
                 await d.ack()
+            if batch:
+                continue
+            info = await bus.js.consumer_info(stream_name(run_id), spec.durable)
+            if not info.num_pending and not info.num_ack_pending:
+                break
+            if loop.time() >= deadline:
+                log.warning("close_out_incomplete", pending=info.num_pending, unacked=info.num_ack_pending)
+                break
     finally:
         await consumer.unsubscribe()
-    get_logger(__name__, run_id=run_id).info("run_closed_out", withheld=withheld, version=version)
+    log.info("run_closed_out", withheld=withheld, version=version)
     return withheld
