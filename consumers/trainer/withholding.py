@@ -61,9 +61,7 @@ def withheld_event(
     )
 
 
-async def close_out(
-    bus: Bus, run_id: str, settings: TrainerSettings, *, idle_s: float = 1.0, patience_s: float | None = None
-) -> int:
+async def close_out(bus: Bus, run_id: str, settings: TrainerSettings, *, idle_s: float = 1.0) -> int:
     """Withhold what the trainer never settled; returns how many rollouts were withheld. Call it
     only when no trainer runs (it takes the trainer's consumer) and the run will not resume."""
     trained: set[str] = set()
@@ -77,7 +75,7 @@ async def close_out(
     log = get_logger(__name__, run_id=run_id)
     loop = asyncio.get_running_loop()
     # Past the ack wait every rollout a dead holder had is delivered again.
-    deadline = loop.time() + (settings.ack_wait_s + 5.0 if patience_s is None else patience_s)
+    deadline = loop.time() + settings.ack_wait_s + 5.0
     withheld = 0
     try:
         while True:
