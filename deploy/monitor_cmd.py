@@ -2,8 +2,9 @@
 
 A live run is followed on its server (``--nats-url``, else the URL the supervisor wrote in
 ``<runs dir>/<run>/nats_url``); a run whose server is gone is read from its store (``--db``,
-else ``<runs dir>/<run>/store.db``) and shows the same series. ``--from-step`` and
-``--from-time`` start the series at a point of the run's history.
+else ``<runs dir>/<run>/store.db``, opened read-only: nothing is created or migrated) and shows
+the same series. ``--from-step`` and ``--from-time`` start the series at a point of the run's
+history.
 """
 
 from __future__ import annotations
@@ -34,7 +35,11 @@ def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--nats-url", default=None, help="the run's server (default: the one its run dir names)")
     p.add_argument("--creds", default=None, help="credentials file (servers with authentication)")
     p.add_argument("--tenants-dir", default=None, help="the deployment's registry (its monitor identity)")
-    p.add_argument("--db", default=None, help="store URL for a finished run (default: <run dir>/store.db)")
+    p.add_argument(
+        "--db",
+        default=None,
+        help="store URL for a finished run, read-only (default: <run dir>/store.db)",
+    )
     p.add_argument("--store", action="store_true", help="read the store even if the server is up")
     start = p.add_mutually_exclusive_group()
     start.add_argument("--from-step", type=int, default=None, help="start the series at this step")
@@ -178,7 +183,7 @@ def main(args: argparse.Namespace) -> int:
         )
     store = None
     if not live:
-        from jetrl.store.db import open_store, sqlite_url
+        from jetrl.store.db import StoreError, open_store_read_only, sqlite_url
 
         db = args.db
         if db is None:
@@ -187,7 +192,11 @@ def main(args: argparse.Namespace) -> int:
                 print(f"jetrl monitor: no live server for {args.run} and no store at {path}", file=sys.stderr)
                 return 2
             db = sqlite_url(path)
-        store = open_store(db)
+        try:  # a finished run is only read: nothing is created or migrated
+            store = open_store_read_only(db)
+        except StoreError as exc:
+            print(f"jetrl monitor: {exc}", file=sys.stderr)
+            return 2
     creds = args.creds
     if live and creds is None:
         from jetrl.deploy.tenants import TenantRegistry

@@ -34,7 +34,7 @@ from jetrl.bus.streams import stream_name
 from jetrl.deploy.config import ConfigError, RunConfig
 from jetrl.deploy.parts import KINDS, Nodes, PartCommand, PartCommands
 from jetrl.store import queries
-from jetrl.store.db import open_store
+from jetrl.store.db import Store, StoreError, open_store_read_only
 
 WAIT_SAY_EVERY_S = 30.0  # how often a part waiting for its run says so again
 RECORDER_CATCH_UP_S = 120.0  # the recorder's time to record the log up to RunFinished
@@ -148,17 +148,21 @@ def stop_all(procs: list[subprocess.Popen[bytes]], timeout: float = 30.0) -> Non
 
 
 async def recorded_up_to(db: str, run_id: str, seq: int, timeout: float) -> bool:
-    store = open_store(db)
+    store: Store | None = None
     try:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while loop.time() < deadline:
-            if await asyncio.to_thread(queries.recorded_seq, store, run_id) >= seq:
+            if store is None:  # read-only: the recorder makes and migrates the store
+                with contextlib.suppress(StoreError):
+                    store = await asyncio.to_thread(open_store_read_only, db)
+            if store is not None and await asyncio.to_thread(queries.recorded_seq, store, run_id) >= seq:
                 return True
             await asyncio.sleep(0.5)
         return False
     finally:
-        store.close()
+        if store is not None:
+            store.close()
 
 
 async def follow_run(bus: Bus, run_id: str, from_seq: int, state: RunState) -> None:

@@ -1,8 +1,11 @@
 """`jetrl runs | history [--tenant T | --tenants] | evals | export | rebuild`: the store, from the CLI.
 
 Every command takes ``--db URL``; without it the run directory's SQLite file
-(``<runs-dir>/<RUN>/store.db``) is used. Heavy imports (SQLAlchemy, NATS, pyarrow) happen inside
-the commands so that registering them costs the rest of the CLI nothing.
+(``<runs-dir>/<RUN>/store.db``) is used. ``runs``, ``history``, ``evals`` and ``export`` open
+the store read-only and change nothing: a database that is not a jetrl store at this jetrl's
+schema revision is an error naming it (exit 1). Only ``rebuild`` writes, and migrates. Heavy
+imports (SQLAlchemy, NATS, pyarrow) happen inside the commands so that registering them costs
+the rest of the CLI nothing.
 """
 
 from __future__ import annotations
@@ -34,15 +37,33 @@ def _default_db(runs_dir: str, run: str) -> Path:
     return Path(runs_dir) / run / "store.db"
 
 
-def _open(args: argparse.Namespace, run: str) -> Store:
-    from jetrl.store.db import open_store, sqlite_url
+def _store_url(args: argparse.Namespace, run: str) -> str:
+    from jetrl.store.db import sqlite_url
 
     if args.db:
-        return open_store(args.db)
+        return str(args.db)
     path = _default_db(args.runs_dir, run)
     if not path.exists():
         raise SystemExit(f"no store for run {run!r} at {path} (pass --db URL or --runs-dir)")
-    return open_store(sqlite_url(path))
+    return sqlite_url(path)
+
+
+def _open_read_only(args: argparse.Namespace, run: str) -> Store:
+    """The run's store, read-only; anything but a jetrl store at the head revision ends the
+    command with the message (which names the database), not a traceback."""
+    from jetrl.store.db import StoreError, open_store_read_only
+
+    try:
+        return open_store_read_only(_store_url(args, run))
+    except StoreError as exc:
+        raise SystemExit(f"jetrl {getattr(args, 'command', None) or 'store'}: {exc}") from None
+
+
+def _open_for_writing(args: argparse.Namespace, run: str) -> Store:
+    """The run's store for ``rebuild``: created if need be and migrated to the head revision."""
+    from jetrl.store.db import open_store_for_writing
+
+    return open_store_for_writing(_store_url(args, run))
 
 
 def _ts(t: float | None) -> str:
@@ -64,23 +85,35 @@ def _console() -> Any:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
-    """A table of runs: from ``--db``, or from every ``<runs-dir>/*/store.db``."""
+    """A table of runs: from ``--db``, or from every ``<runs-dir>/*/store.db`` (one that is not
+    a readable jetrl store is reported and skipped, and the exit code is 1)."""
     from rich.table import Table
 
     from jetrl.store import queries
-    from jetrl.store.db import open_store, sqlite_url
+    from jetrl.store.db import StoreError, open_store_read_only, sqlite_url
 
     summaries = []
+    unreadable = 0
     if args.db:
-        with open_store(args.db) as store:
+        try:
+            store = open_store_read_only(args.db)
+        except StoreError as exc:
+            raise SystemExit(f"jetrl runs: {exc}") from None
+        with store:
             summaries = queries.list_runs(store)
     else:
         for path in sorted(Path(args.runs_dir).glob("*/store.db")):
-            with open_store(sqlite_url(path)) as store:
+            try:
+                store = open_store_read_only(sqlite_url(path))
+            except StoreError as exc:
+                print(f"jetrl runs: skipped {path}: {exc}", file=sys.stderr)
+                unreadable += 1
+                continue
+            with store:
                 summaries.extend(queries.list_runs(store))
     if args.json:
         print(json.dumps([dataclasses.asdict(s) for s in summaries], indent=1, default=str))
-        return 0
+        return 1 if unreadable else 0
     table = Table(title="jetrl runs")
     for col in (
         "run",
@@ -113,7 +146,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
     _console().print(table)
     if not summaries:
         print(f"no runs found (looked in {args.db or args.runs_dir})", file=sys.stderr)
-    return 0
+    return 1 if unreadable else 0
 
 
 # ----------------------------------------------------------------------------- history
@@ -128,7 +161,7 @@ def cmd_history(args: argparse.Namespace) -> int:
 
     if args.tenant is not None or args.tenants:
         return _tenant_history(args)
-    with _open(args, args.run) as store:
+    with _open_read_only(args, args.run) as store:
         summary = queries.run_summary(store, args.run)
         rows = queries.step_history(
             store, args.run, from_step=args.from_step, to_step=args.to_step, limit=args.limit
@@ -194,7 +227,7 @@ def _counts(d: dict[str, int]) -> str:
 def _tenant_history(args: argparse.Namespace) -> int:
     from jetrl.store import queries
 
-    with _open(args, args.run) as store:
+    with _open_read_only(args, args.run) as store:
         if queries.run_summary(store, args.run) is None:
             print(f"run {args.run!r} is not in the store", file=sys.stderr)
             return 1
@@ -365,7 +398,7 @@ def cmd_evals(args: argparse.Namespace) -> int:
 
     from jetrl.store import queries
 
-    with _open(args, args.run) as store:
+    with _open_read_only(args, args.run) as store:
         rows = queries.evaluations(store, args.run, env=args.env)
         summaries = queries.summarize_evaluations(rows)
     if args.json:
@@ -521,7 +554,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     all_tables = [t.name for t in sc.PROJECTION_TABLES]
     tables = all_tables if args.table in (None, "all") else [args.table]
     out = Path(args.out) if args.out else Path(args.runs_dir) / args.run / "export"
-    with _open(args, args.run) as store:
+    with _open_read_only(args, args.run) as store:
         counts = export_run(store, args.run, out, args.format, tables)
     for name, n in counts.items():
         print(f"{out / f'{name}.{args.format}'}: {n} rows")
@@ -573,7 +606,7 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
     """Drop and rebuild a run's projection from its log; prove it equals the old one."""
     from rich.table import Table
 
-    with _open(args, args.run) as store:
+    with _open_for_writing(args, args.run) as store:
         equal, old, new, diff = asyncio.run(
             rebuild_run(
                 store, args.nats_url, args.run, consumer=args.consumer, batch=args.batch, to_head=args.to_head
@@ -594,19 +627,26 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- registration
 
 
-def _db_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--db", default=None, help="store URL (default: sqlite file <runs-dir>/<RUN>/store.db)")
+def _db_args(p: argparse.ArgumentParser, *, writes: bool = False) -> None:
+    opened = (
+        "opened for writing, created or migrated to this jetrl's schema if need be"
+        if writes
+        else "opened read-only: nothing is created or migrated"
+    )
+    p.add_argument(
+        "--db", default=None, help=f"store URL (default: sqlite file <runs-dir>/<RUN>/store.db); {opened}"
+    )
     p.add_argument("--runs-dir", default="runs", help="directory of run directories (default %(default)s)")
 
 
 def add_store_commands(subparsers: Any) -> None:
     """Register runs, history, evals, export and rebuild on the `jetrl` CLI's subparsers."""
-    p = subparsers.add_parser("runs", help="table of the runs in the store")
+    p = subparsers.add_parser("runs", help="table of the runs in the store (read-only)")
     _db_args(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_runs)
 
-    p = subparsers.add_parser("history", help="step history of a run")
+    p = subparsers.add_parser("history", help="step history of a run (read-only)")
     p.add_argument("run")
     _db_args(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -620,14 +660,18 @@ def add_store_commands(subparsers: Any) -> None:
     who.add_argument("--tenants", action="store_true", help="every tenant's summary, one row each")
     p.set_defaults(func=cmd_history)
 
-    p = subparsers.add_parser("evals", help="held-out evaluations of a run (pass@1, pass@k per version)")
+    p = subparsers.add_parser(
+        "evals", help="held-out evaluations of a run (pass@1, pass@k per version; read-only)"
+    )
     p.add_argument("run")
     _db_args(p)
     p.add_argument("--env", default=None, help="only this environment")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=cmd_evals)
 
-    p = subparsers.add_parser("export", help="export a run's tables (jsonl, csv, parquet)")
+    p = subparsers.add_parser(
+        "export", help="export a run's tables (jsonl, csv, parquet; reads the store read-only)"
+    )
     p.add_argument("run")
     _db_args(p)
     p.add_argument("--format", choices=EXPORT_FORMATS, default="jsonl")
@@ -636,10 +680,11 @@ def add_store_commands(subparsers: Any) -> None:
     p.set_defaults(func=cmd_export)
 
     p = subparsers.add_parser(
-        "rebuild", help="drop and rebuild a run's store from its log, and prove it equal"
+        "rebuild",
+        help="drop and rebuild a run's store from its log, and prove it equal (migrates an older store)",
     )
     p.add_argument("run")
-    _db_args(p)
+    _db_args(p, writes=True)
     p.add_argument("--nats-url", required=True, help="NATS server holding the run's log")
     p.add_argument(
         "--consumer", default="recorder", help="projection consumer to rebuild (default %(default)s)"

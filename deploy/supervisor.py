@@ -36,7 +36,7 @@ from jetrl.deploy.parts import KINDS, PartCommand, PartCommands
 from jetrl.deploy.report import RunReport
 from jetrl.deploy.tenants import ADMIN, TenantRegistry
 from jetrl.store import queries
-from jetrl.store.db import open_store
+from jetrl.store.db import Store, StoreError, open_store_read_only
 
 log = get_logger(__name__)
 
@@ -454,16 +454,20 @@ class Supervisor:
         if not self.cfg.store.recorder:
             return
         deadline = time.monotonic() + timeout
-        store = open_store(self.db_url)
+        store: Store | None = None
         try:
             while time.monotonic() < deadline:
-                if queries.recorded_seq(store, self.run_id) >= head:
+                if store is None:  # read-only: the recorder makes and migrates the store
+                    with contextlib.suppress(StoreError):
+                        store = open_store_read_only(self.db_url)
+                if store is not None and queries.recorded_seq(store, self.run_id) >= head:
                     return
                 self.check_parts()  # the recorder may crash while catching up, too
                 await asyncio.sleep(0.25)
             self.say(f"  ! the recorder did not reach sequence {head} in {timeout:.0f}s")
         finally:
-            store.close()
+            if store is not None:
+                store.close()
 
     def finish(self, status: str) -> None:
         report = self.progress.report
@@ -475,15 +479,18 @@ class Supervisor:
                 {"nats-server": self.server_restarts} if self.server_restarts else {}
             )
         if self.cfg.store.recorder:
-            store = open_store(self.db_url)
             try:
-                summary["store_steps"] = len(queries.step_history(store, self.run_id))
-                # Alerts the run's monitor raised: how often each rule fired.
-                counts = queries.alert_counts(store, self.run_id)
-                summary["alerts"] = {rule: c["firing"] for rule, c in counts.items()}
+                store = open_store_read_only(self.db_url)
+            except StoreError as exc:  # the recorder never made it: the summary says so
                 summary["db"] = self.db_url
-            finally:
-                store.close()
+                summary["store_error"] = str(exc)
+            else:
+                with store:
+                    summary["store_steps"] = len(queries.step_history(store, self.run_id))
+                    # Alerts the run's monitor raised: how often each rule fired.
+                    counts = queries.alert_counts(store, self.run_id)
+                    summary["alerts"] = {rule: c["firing"] for rule, c in counts.items()}
+                    summary["db"] = self.db_url
         if report.steps:
             summary["reward_curve"] = str(report.plot(self.run_dir / "reward.png", self.run_id))
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

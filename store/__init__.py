@@ -1,7 +1,8 @@
 """store/: the step-history store, a SQL projection of a run's event log (docs/store.md).
 
 - schema:     the tables (SQLAlchemy 2 typed ORM); migrations/ holds their Alembic history
-- db:         ``open_store(url)``: SQLite (WAL) or PostgreSQL, migrated to head on open
+- db:         SQLite (WAL) or PostgreSQL: ``open_store_for_writing(url)`` migrates to head (the
+              recorder), ``open_store_read_only(url)`` checks the revision and changes nothing
 - specs:      which columns each event writes together, and how repeats merge (first/last)
 - derived:    columns computed from others (staleness), stated once for Python and SQL
 - projectors: one function per event type: the row parts it writes

@@ -15,11 +15,11 @@ from jetrl.bus.log import get_logger
 from jetrl.bus.runtime import part_main
 from jetrl.consumers.recorder.recorder import Recorder, configure_gc
 from jetrl.consumers.recorder.settings import RecorderPart
-from jetrl.store.db import open_store
+from jetrl.store.db import open_store_for_writing
 
 
 async def record(bus: Bus, run_id: str, s: RecorderPart, stop: asyncio.Event) -> int:
-    store = open_store(s.db)
+    store = open_store_for_writing(s.db)
     rec = Recorder(bus, store, run_id, durable=s.durable, batch=s.batch, writer=s.writer)
     configure_gc()
     stopper = asyncio.create_task(stop.wait())

@@ -39,7 +39,7 @@ import sqlalchemy as sa
 from jetrl.bus import events as ev
 from jetrl.bus.client import Delivery
 from jetrl.bus.log import get_logger
-from jetrl.store.db import Store, open_store
+from jetrl.store.db import Store, open_store_for_writing
 from jetrl.store.projection import (
     ApplyResult,
     Logged,
@@ -176,7 +176,7 @@ def _child_main(conn: multiprocessing.connection.Connection, url: str) -> None:
     from jetrl.consumers.recorder.recorder import configure_gc  # that module imports this one
 
     try:
-        store = open_store(url)
+        store = open_store_for_writing(url)
         store.checkpoint_in_background()  # the store's one writer, as with LocalWriter
     except Exception as exc:
         conn.send(("error", exc))
