@@ -58,6 +58,17 @@ def test_no_server_and_no_store_says_so(tmp_path: Path) -> None:
     assert "no live server for nothere and no store" in done.stderr
 
 
+def test_a_database_that_is_not_a_store_is_named_and_not_migrated(tmp_path: Path) -> None:
+    (tmp_path / "other.db").touch()  # an empty SQLite database, not a jetrl store
+    db = f"sqlite:///{tmp_path / 'other.db'}"
+    done = jetrl("monitor", "r", "--db", db, "--runs-dir", str(tmp_path), "--once")
+    assert done.returncode == 2
+    assert f"jetrl monitor: not a jetrl store: {db} has no tables" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert (tmp_path / "other.db").stat().st_size == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.db"]
+
+
 async def test_a_live_run_is_shown_from_its_server(
     nats_server: EmbeddedServer, run_id: str, tmp_path: Path
 ) -> None:
