@@ -120,21 +120,26 @@ def tables(db_url: str) -> dict[str, list[tuple[object, ...]]]:
     return rows
 
 
-def databases(db_url: str) -> list[str]:
-    """PostgreSQL: the server's databases; SQLite: none."""
+def exists(db_url: str, url: str) -> bool | None:
+    """PostgreSQL: whether the database ``url`` names exists (asked of the fixture's database:
+    other tests on the server make and drop databases of their own); SQLite: None."""
     if is_sqlite(db_url):
-        return []
+        return None
     engine = sa.create_engine(db_url)
     with engine.connect() as conn:
-        names = sorted(conn.execute(sa.text("SELECT datname FROM pg_database")).scalars())
+        n = conn.execute(
+            sa.text("SELECT count(*) FROM pg_database WHERE datname = :name"),
+            {"name": sa.make_url(url).database},
+        ).scalar_one()
     engine.dispose()
-    return names
+    return bool(n)
 
 
-def snapshot(db_url: str, tmp_path: Path) -> object:
-    """What a command must leave as it was: the files under tmp_path (the SQLite database and
-    anything beside it, the export folder, a runs folder), PostgreSQL's tables and databases."""
-    return files(tmp_path), tables(db_url), databases(db_url)
+def snapshot(db_url: str, url: str, tmp_path: Path) -> object:
+    """What a command on ``url`` must leave as it was: the files under tmp_path (the SQLite
+    database and anything beside it, the export folder, a runs folder), the tables and rows of
+    the fixture's PostgreSQL database, and whether the database ``url`` names exists."""
+    return files(tmp_path), tables(db_url), exists(db_url, url)
 
 
 # ----------------------------------------------------------------------------- not a store
@@ -161,14 +166,14 @@ def test_a_database_that_is_not_a_store_is_named_and_left_as_it_was(
     else:
         make, says = NOT_A_STORE[kind]
         url = make(db_url, tmp_path)
-    before = snapshot(db_url, tmp_path)
+    before = snapshot(db_url, url, tmp_path)
     code, _, err = jetrl(argv(command, url, tmp_path), capsys)
     assert code != 0
     assert url in err  # the database's name, as given (these URLs carry no password)
     for words in says:
         assert words in err
     assert "Traceback" not in err
-    assert snapshot(db_url, tmp_path) == before
+    assert snapshot(db_url, url, tmp_path) == before
 
 
 def test_runs_over_a_runs_directory_skips_and_names_what_is_not_a_store(
@@ -198,7 +203,7 @@ def test_a_store_of_another_schema_revision_is_named_and_not_migrated(
     db_url: str, tmp_path: Path, kind: str, command: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     url = older(db_url, tmp_path) if kind == "older" else unknown(db_url, tmp_path)
-    before = snapshot(db_url, tmp_path)
+    before = snapshot(db_url, url, tmp_path)
     code, _, err = jetrl(argv(command, url, tmp_path), capsys)
     assert code != 0
     assert url in err and "Traceback" not in err
@@ -207,7 +212,7 @@ def test_a_store_of_another_schema_revision_is_named_and_not_migrated(
         assert "recorder migrates it" in err and "jetrl rebuild" in err
     else:
         assert "schema revision 9999" in err and "does not know" in err
-    assert snapshot(db_url, tmp_path) == before
+    assert snapshot(db_url, url, tmp_path) == before
 
 
 # ----------------------------------------------------------------------------- a real store
