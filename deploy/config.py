@@ -33,6 +33,9 @@ class RunSettings(Section):
     seed: int = 0
     runs_dir: str = "runs"
     max_wall_s: float | None = Field(None, gt=0)  # stop the run after this many seconds
+    # Parts forked from a server that imported their modules once (deploy/launcher.py): each is
+    # still its own process; false starts each as a fresh interpreter.
+    fork_parts: bool = True
 
 
 class RunConfig(Section):

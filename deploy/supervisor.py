@@ -32,6 +32,7 @@ from jetrl.bus.server import EmbeddedServer
 from jetrl.bus.streams import ensure_tenant_view, run_usage, stream_name
 from jetrl.consumers.trainer.withholding import close_out
 from jetrl.deploy.config import RunConfig, library_versions
+from jetrl.deploy.launcher import PartProcess, start_part, warm_up
 from jetrl.deploy.parts import KINDS, PartCommand, PartCommands
 from jetrl.deploy.report import RunReport
 from jetrl.deploy.tenants import ADMIN, TenantRegistry
@@ -58,7 +59,7 @@ class Part:
     name: str
     argv: list[str]
     threads: int = 1
-    proc: subprocess.Popen[bytes] | None = None
+    proc: PartProcess | None = None
     restarts: int = 0
     finished: bool = False  # exited 0 on its own (the trainer, when the run is done)
     history: list[float] = field(default_factory=list)
@@ -155,10 +156,7 @@ class Supervisor:
         # A wandb-core this process may run is not the part's: a part shares none, so that a
         # killed monitor's W&B run is not left "in use" there for its successor.
         env.pop("WANDB_SERVICE", None)
-        with (logs / f"{part.name}.log").open("ab") as out:
-            part.proc = subprocess.Popen(
-                part.argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
+        part.proc = start_part(part.argv, env, logs / f"{part.name}.log", fork=self.cfg.run.fork_parts)
         self.log.info("part_started", part=part.name, pid=part.proc.pid, restarts=part.restarts)
 
     def join_tenants(self, reg: TenantRegistry) -> None:
@@ -323,6 +321,8 @@ class Supervisor:
     # ------------------------------------------------------------------ the run
 
     async def run(self) -> int:
+        if self.cfg.run.fork_parts:
+            warm_up()  # the parts' imports, while the server starts and the run is announced
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(self.cfg.model_dump_json(indent=2))
         url = self.nats_url

@@ -1,0 +1,171 @@
+"""How the supervisor starts a part's process: forked from a server that imported the parts'
+modules once, instead of a fresh interpreter per part.
+
+A part is still its own process, with its own pid, session, log file, environment and exit
+code, killed and restarted like any other (tests/system/test_faults.py kills them). Only its
+start is cheaper: importing torch and torchtitan's model code takes 6-8 s of CPU a process
+(torchtitan's attention module pulls in inductor and dynamo), and a run starts four such
+processes on a machine that may have two cores, before any restart. The fork server
+(multiprocessing's ``forkserver``) pays that once and each part is a fork of it, a fraction of
+a second.
+
+Only ``python -m MODULE ARGS`` commands are forked; anything else (torchrun's trainer of
+several ranks) is started with :class:`subprocess.Popen` as before. ``[run] fork_parts =
+false`` starts every part as a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.context
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Protocol
+
+import setproctitle
+
+# What the fork server imports before it forks anything: every part's entry point and the
+# model code behind the embedded engines (the costly imports).
+PRELOAD = (
+    "jetrl.policy.models",
+    "jetrl.consumers.inference.__main__",
+    "jetrl.consumers.inference.titan_engine",
+    "jetrl.consumers.trainer.__main__",
+    "jetrl.consumers.trainer.local_engine",
+    "jetrl.consumers.recorder.__main__",
+    "jetrl.consumers.monitor.__main__",
+    "jetrl.producers.__main__",
+)
+
+_lock = threading.Lock()
+_context: multiprocessing.context.ForkServerContext | None = None
+
+
+class PartProcess(Protocol):
+    """What the supervisor (and a test) does with a part's process: :class:`subprocess.Popen`
+    has all of it."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+def fork_server() -> multiprocessing.context.ForkServerContext:
+    """The process-wide fork server, started (and its modules imported) on first use."""
+    global _context
+    with _lock:
+        if _context is None:
+            ctx = multiprocessing.get_context("forkserver")
+            ctx.set_forkserver_preload(list(PRELOAD))
+            _context = ctx
+        return _context
+
+
+def warm_up() -> None:
+    """Start the fork server now (in the background of whatever the caller does next), so the
+    first part does not wait for its imports."""
+    from multiprocessing import forkserver
+
+    fork_server()
+    threading.Thread(target=forkserver.ensure_running, name="forkserver-warm-up", daemon=True).start()
+
+
+class ForkedPart:
+    """A part forked from the fork server, seen through :class:`PartProcess`."""
+
+    def __init__(self, proc: multiprocessing.process.BaseProcess, args: list[str]) -> None:
+        self._proc = proc
+        self.args = args
+
+    @property
+    def pid(self) -> int:
+        assert self._proc.pid is not None  # started
+        return self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        code = self._proc.exitcode
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self._proc.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _module_of(argv: list[str]) -> tuple[str, list[str]] | None:
+    """``(module, args)`` of ``[this python, -m, module, *args]``; None for any other command."""
+    if len(argv) >= 3 and argv[0] == sys.executable and argv[1] == "-m":
+        return argv[2], argv[3:]
+    return None
+
+
+def _run_forked(module: str, args: list[str], env: dict[str, str], log_path: str, cwd: str) -> None:
+    """The part's life in the forked child: its own session, log, environment and threads,
+    then its module as ``python -m`` runs it (its SystemExit is the exit code)."""
+    # ps and /proc show the command a fresh process would have had, not the fork server's.
+    setproctitle.setproctitle(" ".join([sys.executable, "-m", module, *args]))
+    os.setsid()  # killed as a group, like a part started with start_new_session
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.close(null)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    # The server imported torch before this process's OMP_NUM_THREADS existed: apply it here.
+    torch = sys.modules.get("torch")
+    if torch is not None and env.get("OMP_NUM_THREADS", "").isdigit():
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    sys.argv = [module, *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def start_part(argv: list[str], env: Mapping[str, str], log_path: Path, *, fork: bool = True) -> PartProcess:
+    """Start one part, its output appended to ``log_path``: forked when it is a ``python -m``
+    command and ``fork`` holds, else a fresh process."""
+    target = _module_of(argv) if fork else None
+    if target is None:
+        with log_path.open("ab") as out:
+            return subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, env=dict(env), start_new_session=True
+            )
+    module, args = target
+    proc = fork_server().Process(
+        target=_run_forked,
+        args=(module, args, dict(env), str(log_path), os.getcwd()),
+        name=module,
+        daemon=False,
+    )
+    proc.start()
+    return ForkedPart(proc, argv)

@@ -1,0 +1,74 @@
+"""deploy/launcher.py: a part forked from the fork server is a process like one started fresh:
+its own pid and session, its log, its environment and thread count, its exit code, killable."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jetrl.deploy.launcher import ForkedPart, start_part
+
+CHILD = [sys.executable, "-m", "tests.support.forked_child"]
+
+
+def wait_for(proc: object, timeout: float = 60.0) -> int:
+    assert hasattr(proc, "wait")
+    return int(proc.wait(timeout))
+
+
+@pytest.mark.parametrize("fork", [True, False])
+def test_a_part_reports_what_it_was_started_with(fork: bool, tmp_path: Path) -> None:
+    log = tmp_path / "part.log"
+    env = dict(os.environ, JETRL_TEST_VALUE="seen", OMP_NUM_THREADS="1")
+    proc = start_part([*CHILD, "report", "3"], env, log, fork=fork)
+    assert isinstance(proc, ForkedPart) is fork
+    assert wait_for(proc) == 3 and proc.returncode == 3 and proc.poll() == 3
+    out = log.read_text().splitlines()
+    seen = json.loads(out[0])
+    assert seen["argv"] == ["report", "3"] and seen["env"] == "seen" and seen["threads"] == 1
+    assert seen["pid"] == proc.pid and seen["sid"] == proc.pid  # a session of its own
+    assert seen["cwd"] == os.getcwd() and seen["main"] == "__main__"
+    assert seen["cmdline"] == " ".join([*CHILD, "report", "3"])  # what ps shows, forked or not
+    assert out[1] == "to stderr"  # both streams in the part's log
+
+
+def test_a_forked_part_is_killed_and_waited_for_like_a_process(tmp_path: Path) -> None:
+    proc = start_part([*CHILD, "sleep", "60"], dict(os.environ), tmp_path / "p.log")
+    assert isinstance(proc, ForkedPart) and proc.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)  # how the supervisor ends a stuck part's session
+    assert wait_for(proc) == -signal.SIGKILL
+    proc.send_signal(signal.SIGTERM)  # a signal to a finished part is a no-op, as for Popen
+
+
+def test_a_forked_part_that_raises_exits_1_with_its_traceback_in_its_log(tmp_path: Path) -> None:
+    log = tmp_path / "p.log"
+    proc = start_part([*CHILD, "raise"], dict(os.environ), log)
+    assert wait_for(proc) == 1
+    assert "RuntimeError: the part failed" in log.read_text()
+
+
+def test_commands_other_than_python_m_start_fresh(tmp_path: Path) -> None:
+    log = tmp_path / "p.log"
+    proc = start_part(["/bin/sh", "-c", "echo fresh; exit 4"], dict(os.environ), log)
+    assert isinstance(proc, subprocess.Popen)
+    assert wait_for(proc) == 4 and log.read_text() == "fresh\n"
+
+
+def test_parts_started_together_each_finish_either_way(tmp_path: Path) -> None:
+    # Speed lives in bench/ (no timing here): several parts at once, forked and fresh.
+    for fork in (True, False):
+        procs = [
+            start_part([*CHILD, "report", "0"], dict(os.environ), tmp_path / f"{fork}-{i}.log", fork=fork)
+            for i in range(3)
+        ]
+        deadline = time.monotonic() + 120
+        assert [wait_for(p, max(1.0, deadline - time.monotonic())) for p in procs] == [0, 0, 0]
