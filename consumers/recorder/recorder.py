@@ -1,11 +1,18 @@
 """The recorder: a durable consumer over a run's whole log that keeps the SQL projection.
 
-Per batch: fetch up to N events, apply them all and move the tracking row in one transaction
-(``store.projection.apply_batch``), commit, then ack. The store, not the server, says where
-recording resumes: on start the durable consumer is re-created at ``tracking.last_seq + 1``, so
-a crash between commit and ack, or an ack the server never saw, can neither skip nor repeat an
-event. Events at or below the tracking row are ignored anyway (redelivery), and every upsert is
-idempotent, so the tables stay exact whatever is killed and when.
+Per batch: fetch up to N events, check that they follow the tracking row without a gap, apply
+them all and move the tracking row in one transaction (``store.projection.apply_batch``),
+commit, then ack each of them. The store, not the server, says where recording resumes: on
+start the durable consumer is re-created at ``tracking.last_seq + 1``, so a crash between
+commit and ack, or an ack the server never saw, can neither skip nor repeat an event. Events at
+or below the tracking row are ignored anyway (redelivery), and every upsert is idempotent, so
+the tables stay exact whatever is killed and when.
+
+The recorder takes every subject of the run's stream, so the sequences it is delivered are
+contiguous; a batch that does not go on from the tracking row (messages delivered over a
+connection that died, or taken by another client of the same durable) is never committed: the
+consumer is re-created at the tracking row + 1 and recording goes on from there. A sequence the
+log itself no longer holds (a message deleted from the stream) is not a gap.
 
 Malformed, spoofed or otherwise poisonous messages are dead-lettered by the bus consumer while
 fetching; the ``DeadLettered`` event it publishes is part of the log and is recorded like any
@@ -29,6 +36,7 @@ from jetrl.bus import subjects
 from jetrl.bus.client import Batch, Bus, ConsumerSpec, PullConsumer
 from jetrl.bus.facts import spoofed
 from jetrl.bus.log import get_logger
+from jetrl.bus.retry import RETRYABLE, retrying
 from jetrl.bus.streams import stream_name
 from jetrl.consumers.recorder.settings import DEFAULT_DURABLE
 from jetrl.consumers.recorder.writer import Target, WriterKind, make_writer
@@ -73,9 +81,21 @@ class RecorderStats:
     skipped: int = 0
     rows: int = 0
     dead_lettered: int = 0
+    # Times the consumer was re-created at the tracking row + 1 after a gap or a stall.
+    repositions: int = 0
     # Seconds from an event's arrival in the log to the commit that recorded it (per batch, the
     # oldest event in it): what the bench's lag percentiles are made of.
     commit_lag_s: list[float] = field(default_factory=list)
+
+
+class _Gap(Exception):
+    """What was delivered does not go on from the recorded sequence: ``expected`` is missing."""
+
+    def __init__(self, expected: int, got: int, why: str) -> None:
+        super().__init__(f"sequence {expected} missing ({why}; got {got})")
+        self.expected = expected
+        self.got = got
+        self.why = why
 
 
 class Recorder:
@@ -96,6 +116,7 @@ class Recorder:
         fetch_timeout: float = 0.5,
         ack_wait: float = 60.0,
         log_every_s: float = 5.0,
+        stall_s: float = 5.0,
         writer: WriterKind | None = None,
     ) -> None:
         self.bus = bus
@@ -107,6 +128,9 @@ class Recorder:
         self.fetch_timeout = fetch_timeout
         self.ack_wait = ack_wait
         self.log_every_s = log_every_s
+        # Nothing delivered for this long while the oldest unrecorded event has waited as long:
+        # what was delivered last was lost (the server would redeliver it only after ack_wait).
+        self.stall_s = stall_s
         self.stats = RecorderStats()
         self.log = log.bind(run_id=run_id, consumer=durable)
         self._stop = asyncio.Event()
@@ -163,9 +187,11 @@ class Recorder:
             try:
                 await self.bus.js.stream_info(self.stream)
                 return
-            except nats.js.errors.NotFoundError:
+            # Not made yet, or a cluster electing its leader (no answer meanwhile): wait for it
+            # rather than crash and restart.
+            except (nats.js.errors.NotFoundError, *RETRYABLE) as exc:
                 if waited >= next_log:  # once at first, then every 10 s
-                    self.log.info("waiting_for_stream", stream=self.stream)
+                    self.log.info("waiting_for_stream", stream=self.stream, error=repr(exc))
                     next_log += 10.0
                 await asyncio.sleep(delay)
                 waited += delay
@@ -173,8 +199,11 @@ class Recorder:
     async def _open_consumer(self, start_seq: int) -> PullConsumer[ev.EventBody]:
         # The tracking row is the truth: re-create the durable at its position rather than
         # trusting the server's ack floor (which a crash between commit and ack leaves behind).
-        with contextlib.suppress(nats.js.errors.NotFoundError):
-            await self.bus.js.delete_consumer(self.stream, self.durable)
+        async def delete() -> None:
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                await self.bus.js.delete_consumer(self.stream, self.durable)
+
+        await retrying(f"delete consumer {self.durable}", delete)  # through a leader election
         consumer = await self.bus.consumer(
             ConsumerSpec(
                 run_id=self.run_id,
@@ -186,10 +215,46 @@ class Recorder:
                 max_ack_pending=self.batch * 4,
                 deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
                 start_seq=start_seq,
-                ack_policy=api.AckPolicy.ALL,  # one ack per batch (its last message)
+                # Each message acked once it is committed: an ack never settles another
+                # message, so the server's ack floor never passes an event not recorded.
+                ack_policy=api.AckPolicy.EXPLICIT,
             )
         )
         return consumer
+
+    async def _first_missing(self, seqs: Sequence[int]) -> _Gap | None:
+        """The gap in ``seqs`` (a batch's delivered and dead-lettered sequences) after the
+        recorded sequence, or None when they go on from it without one: every sequence after
+        it up to the highest is there, or was deleted from the log (asked of the stream's
+        leader, only when one is missing)."""
+        last = self._last_seq
+        fresh = {s for s in seqs if s > last}
+        if not fresh or len(fresh) == max(fresh) - last:  # the usual case: no hole
+            return None
+        top, seq = max(fresh), last + 1
+        while seq <= top:
+            if seq in fresh:
+                seq += 1
+                continue
+            there = await self._first_in_log(seq)
+            if there is None or there not in fresh:
+                return _Gap(seq if there is None else there, min(fresh), "not delivered")
+            seq = there  # seq .. there - 1 are not in the log: nothing to record
+        return None
+
+    async def _first_in_log(self, seq: int) -> int | None:
+        """The first sequence at or after ``seq`` that the log holds (None: none)."""
+
+        async def get() -> int | None:
+            try:
+                msg = await self.bus.js.get_msg(
+                    self.stream, seq, subject=subjects.all_subjects(self.run_id), next=True
+                )
+            except nats.js.errors.NotFoundError:
+                return None
+            return int(msg.seq) if msg.seq is not None else None
+
+        return await retrying(f"get {self.stream} {seq}", get)
 
     async def _read_offset(self) -> int:
         await self.start()
@@ -221,39 +286,57 @@ class Recorder:
         self.log.info(
             "recorder_started", stream=self.stream, resume_from=self._last_seq + 1, batch=self.batch
         )
-        last_log = time.monotonic()
+        last_log = last_batch = last_stall_check = time.monotonic()
+        handled = False  # a batch came with this fetch
 
         async def record(got: Batch[ev.EventBody]) -> None:
+            nonlocal handled
+            handled = True
             items = got.deliveries  # a delivery has what the projection reads: seq, subject, event
             # Dead-lettered sequences carry nothing to record, but the tracking row moves past them.
-            through = max([*(i.seq for i in items), *got.dead_lettered])
+            seqs = [*(i.seq for i in items), *got.dead_lettered]
+            gap = await self._first_missing(seqs)
+            if gap is not None:
+                raise gap  # never commit past it: run() re-positions the consumer
             oldest = got.deliveries[0].msg.metadata.timestamp.timestamp() if got.deliveries else None
-            await self._commit(items, through, oldest)
+            await self._commit(items, max(seqs), oldest)
             self.stats.dead_lettered += len(got.dead_lettered)
-            if got.deliveries:
-                with contextlib.suppress(Exception):
-                    await got.deliveries[-1].msg.ack()  # AckPolicy.ALL: settles the whole batch
+            with contextlib.suppress(Exception):  # an ack lost is only a redelivery, skipped by seq
+                await consumer.ack_all(got.deliveries)
 
         async def done() -> bool:
-            nonlocal last_log
-            if time.monotonic() - last_log >= self.log_every_s:
-                last_log = time.monotonic()
+            nonlocal last_log, last_batch, last_stall_check, handled
+            now = time.monotonic()
+            if handled:  # idle time counts from the end of the last batch's commit
+                last_batch, handled = now, False
+            if now - last_log >= self.log_every_s:
+                last_log = now
                 await self._log_progress()
+            if now - last_batch >= self.stall_s and now - last_stall_check >= self.stall_s:
+                last_stall_check = now
+                await self._check_stall()
             return until_seq is not None and self._last_seq >= until_seq
 
         try:
-            # The server keeps a prefetched batch unacked while this one commits. A failed
-            # commit must stop the recorder (its restart resumes from the store's row): never
-            # settle the batch and record past it.
-            await consumer.run_batches(
-                record,
-                batch=self.batch,
-                fetch_timeout=self.fetch_timeout,
-                stop=self._stop,
-                after=done,
-                prefetch=True,
-                settle_failures=False,
-            )
+            while True:
+                try:
+                    # The server keeps a prefetched batch unacked while this one commits. A
+                    # failed commit must stop the recorder (its restart resumes from the store's
+                    # row): never settle the batch and record past it.
+                    await consumer.run_batches(
+                        record,
+                        batch=self.batch,
+                        fetch_timeout=self.fetch_timeout,
+                        stop=self._stop,
+                        after=done,
+                        prefetch=True,
+                        settle_failures=False,
+                    )
+                    return
+                except _Gap as gap:
+                    await consumer.unsubscribe()
+                    consumer = await self._reposition(gap)
+                    last_batch = time.monotonic()
         finally:
             await consumer.unsubscribe()
             self.log.info(
@@ -262,7 +345,37 @@ class Recorder:
                 events=self.stats.events,
                 batches=self.stats.batches,
                 dead_lettered=self.stats.dead_lettered,
+                repositions=self.stats.repositions,
             )
+
+    async def _check_stall(self) -> None:
+        """Nothing delivered for ``stall_s`` while the log holds events not recorded that have
+        waited as long: the messages delivered last were lost in transit (the next ones, had
+        any come, would have shown the gap). Raises :class:`_Gap` to re-position."""
+        try:
+            lag = await self.lag()
+        except Exception as exc:  # advisory, as the progress log: the next check asks again
+            self.log.warning("lag_unavailable", error=repr(exc))
+            return
+        if lag.events and lag.seconds >= self.stall_s:
+            raise _Gap(lag.recorded_seq + 1, lag.head_seq, f"nothing delivered for {self.stall_s:g}s")
+
+    async def _reposition(self, gap: _Gap) -> PullConsumer[ev.EventBody]:
+        """Re-create the durable at the store's tracking row + 1, as on start. The row is not
+        taken below what this recorder committed: the next commit then fails with
+        TrackingRowBehind and the restart reads from the row."""
+        self.stats.repositions += 1
+        offset = await self._read_offset()
+        self.log.warning(
+            "recorder_gap",
+            missing_seq=gap.expected,
+            got_seq=gap.got,
+            why=gap.why,
+            recorded_seq=self._last_seq,
+            resume_from=offset + 1,
+            repositions=self.stats.repositions,
+        )
+        return await self._open_consumer(offset + 1)
 
     async def _log_progress(self) -> None:
         try:

@@ -76,7 +76,9 @@ class BatchWriter(Protocol):
 
     async def apply(self, items: Sequence[Logged], through_seq: int, committed_seq: int) -> ApplyResult:
         """Apply ``items``, move the tracking row to at least ``through_seq``, and commit;
-        ``committed_seq`` is the last sequence this recorder committed before."""
+        ``committed_seq`` is the last sequence this recorder committed before. Every sequence
+        after the tracking row up to ``through_seq`` is taken as recorded: the caller hands over
+        a batch without a gap (the recorder checks it before each commit)."""
 
     def close(self) -> None: ...
 
