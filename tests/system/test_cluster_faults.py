@@ -21,6 +21,7 @@ from pathlib import Path
 import nats.js.api as api
 import pytest
 
+from jetrl.bus import events as ev
 from jetrl.bus.client import Bus
 from jetrl.bus.streams import payload_bucket, stream_name
 from jetrl.deploy.config import load_config
@@ -30,7 +31,7 @@ from jetrl.store import queries
 from jetrl.store.db import open_store
 from tests.support.cluster import LoopbackCluster
 from tests.support.invariants import assert_run_invariants
-from tests.support.runlog import read_log
+from tests.support.runlog import bodies, read_log
 from tests.system.test_faults import FAST_REDELIVERY
 
 pytestmark = [pytest.mark.slow, pytest.mark.fault]
@@ -249,11 +250,26 @@ async def test_run_survives_losing_the_stream_leader_and_another_node(tmp_path: 
             )
             == 0
         )
+        # The store equals the log, step by step: every StepCompleted in the log is a row of the
+        # store, with its version and rollouts, and there is no other (the recorder re-positions
+        # over what a killed node's connection lost, never records past it).
+        log_steps = sorted(
+            (b.step, b.policy_version, len(b.rollout_ids), b.tokens) for b in bodies(log, ev.StepCompleted)
+        )
         store = open_store(sup.db_url)
         try:
-            assert [h.step for h in queries.step_history(store, run_id)] == list(range(STEPS))
+            stored = [
+                (h.step, h.policy_version, h.num_rollouts, h.tokens)
+                for h in queries.step_history(store, run_id)
+            ]
         finally:
             store.close()
+        missing = sorted(set(log_steps) - set(stored))
+        extra = sorted(set(stored) - set(log_steps))
+        assert stored == log_steps, f"steps the store lacks: {missing}; steps it has beyond the log: {extra}"
+        assert len(stored) == STEPS
+        gaps = count_in_logs(run_dir, ("recorder_gap",))["recorder_gap"]
+        note(f"store equals the log: {len(stored)} steps; the recorder re-positioned {gaps} time(s)")
 
         # The node left dead comes back and catches up with what it missed.
         cluster.restart(second)
