@@ -16,7 +16,6 @@ from pathlib import Path
 from jetrl.bus.client import Bus
 from jetrl.bus.log import configure
 from jetrl.bus.payloads import Payloads
-from jetrl.consumers.trainer.replay import read_run_log
 from jetrl.deploy.config import RunConfig
 from jetrl.deploy.run_log import with_run_log
 
@@ -26,8 +25,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 async def export(
     url: str, run_id: str, run_dir: Path, version: int | None, out: Path, dtype: str | None
 ) -> int:
+    # Imported here: every jetrl command imports this module to list its options.
     import torch
 
+    from jetrl.consumers.trainer.replay import read_run_log
     from jetrl.policy.hf import save_checkpoint
     from jetrl.policy.origin import model_config_of
     from jetrl.policy.weights import weights_from_bytes

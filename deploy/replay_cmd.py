@@ -13,22 +13,16 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jetrl.bus.client import Bus
 from jetrl.bus.log import configure
 from jetrl.bus.payloads import Payloads
-from jetrl.consumers.trainer.core import TrainCore
-from jetrl.consumers.trainer.replay import (
-    Replayer,
-    ReplayError,
-    StepCheck,
-    divergence_hints,
-    read_rollouts,
-    read_run_log,
-    trained_seqs,
-)
 from jetrl.deploy.config import RunConfig, library_versions
 from jetrl.deploy.run_log import with_run_log
+
+if TYPE_CHECKING:
+    from jetrl.consumers.trainer.replay import StepCheck
 
 
 async def replay(
@@ -41,6 +35,18 @@ async def replay(
     verify: bool,
     quiet: bool = False,
 ) -> int:
+    # Imported here, not at the top: every jetrl command imports this module to list its
+    # options, and the trainer's imports (torch, torchtitan) take seconds.
+    from jetrl.consumers.trainer.core import TrainCore
+    from jetrl.consumers.trainer.replay import (
+        Replayer,
+        ReplayError,
+        divergence_hints,
+        read_rollouts,
+        read_run_log,
+        trained_seqs,
+    )
+
     def say(text: str) -> None:
         if not quiet:
             print(text, flush=True)

@@ -13,8 +13,6 @@ import random
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
-
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 VOCAB = 512
 # Qwen's template, reduced to what the tests need: one block per message, and the opening of
@@ -75,6 +73,7 @@ def make_checkpoint(
     shard_bytes: int | None = None,
 ) -> Path:
     """A random Qwen3 (dense) or Qwen3-MoE checkpoint directory with the tokenizer beside it."""
+    import torch  # here: every jetrl command imports this module to list its options
     from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
     path.mkdir(parents=True, exist_ok=True)
@@ -143,6 +142,7 @@ def warm_start(path: Path, steps: int, *, seed: int = 0, batch: int = 16, lr: fl
     have had: the model then calls the tool and answers in the expected form (its arithmetic is
     another matter). Trains on everything after the system and user turns; saves in place and
     returns the last loss."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     from jetrl.policy.hf_tokenizer import HFTokenizer
