@@ -34,13 +34,13 @@ import setproctitle
 # model code behind the embedded engines (the costly imports).
 PRELOAD = (
     "jetrl.policy.models",
-    "jetrl.consumers.inference.__main__",
+    "jetrl.consumers.inference.worker",
     "jetrl.consumers.inference.titan_engine",
-    "jetrl.consumers.trainer.__main__",
+    "jetrl.consumers.trainer.trainer",
     "jetrl.consumers.trainer.local_engine",
-    "jetrl.consumers.recorder.__main__",
-    "jetrl.consumers.monitor.__main__",
-    "jetrl.producers.__main__",
+    "jetrl.consumers.recorder.recorder",
+    "jetrl.consumers.monitor.service",
+    "jetrl.producers.producer",
 )
 
 _lock = threading.Lock()
@@ -148,6 +148,7 @@ def _run_forked(module: str, args: list[str], env: dict[str, str], log_path: str
     if torch is not None and env.get("OMP_NUM_THREADS", "").isdigit():
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     sys.argv = [module, *args]
+    sys.modules.pop(module, None)  # run as __main__, not as the module the server may hold
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 

@@ -21,7 +21,6 @@ from rich.console import Console
 
 from jetrl.bus.client import Bus
 from jetrl.bus.server import EmbeddedServer
-from jetrl.bus.streams import stream_name
 from jetrl.consumers.monitor.service import Monitor
 from jetrl.consumers.monitor.terminal import render
 from jetrl.consumers.monitor.web import serve
@@ -128,17 +127,14 @@ async def test_the_dashboard_follows_a_real_run_and_shows_the_stores_figures(
     )
     run_id = f"web{uuid.uuid4().hex[:8]}"
     sup = Supervisor(cfg, run_id, tmp_path / run_id, nats_url=nats_server.url, quiet=True)
-    run = asyncio.create_task(sup.run())
     bus = await Bus.connect(nats_server.url, name="monitor-web-test")
+    # The page is up before the run starts (its parts start in a fraction of a second and a
+    # short run is over in seconds): the run's stream first, as the supervisor makes it.
+    await bus.ensure_run(run_id, cfg.bus.limits())
     stop = asyncio.Event()
     tasks: list[asyncio.Task[Any]] = []
+    run: asyncio.Task[int] | None = None
     try:
-        for _ in range(200):  # the supervisor makes the run's stream first
-            with contextlib.suppress(Exception):
-                await bus.js.stream_info(stream_name(run_id))
-                break
-            assert not run.done(), "the run ended before it began"
-            await asyncio.sleep(0.1)
         monitor = Monitor(run_id, bus=bus)
         urls: list[str] = []
         tasks.append(asyncio.create_task(monitor.run(stop)))
@@ -150,6 +146,7 @@ async def test_the_dashboard_follows_a_real_run_and_shows_the_stores_figures(
         url = urls[0]
         # Selenium blocks: every browser call runs in a thread, the server in this loop.
         await asyncio.to_thread(driver.get, url)
+        run = asyncio.create_task(sup.run())
         await asyncio.to_thread(
             wait_for, driver, lambda d: attr(d, "run-id", "textContent") == run_id, 30, "no run id shown"
         )
@@ -157,6 +154,7 @@ async def test_the_dashboard_follows_a_real_run_and_shows_the_stores_figures(
         # While the run steps, the step tile and the charts move on.
         seen: list[int] = []
         charted: list[int] = []
+        assert run is not None
         while not run.done():
             raw = await asyncio.to_thread(attr, driver, "tile-step", "data-value")
             if raw and (not seen or int(raw) != seen[-1]):
@@ -300,9 +298,9 @@ async def test_the_dashboard_follows_a_real_run_and_shows_the_stores_figures(
         await asyncio.to_thread(shoot_terminal, driver)
     finally:
         stop.set()
-        if not run.done():
+        if run is not None and not run.done():
             run.cancel()
-        for t in [run, *tasks]:
+        for t in [*([run] if run is not None else []), *tasks]:
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(t, 30)
         await bus.close()
