@@ -99,6 +99,60 @@ def inbox_prefix(name: str) -> str:
     return f"_INBOX_{name}"
 
 
+class KeysFile:
+    """The gateway's API keys file (producers/gateway_keys.py reads it): ``{"keys": {sha256 of a
+    key: grant}}``. A key is made here and shown once; only its hash is written, 0600, replaced
+    whole by rename (the gateway re-reads it on change)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.keys: dict[str, dict[str, Any]] = {}
+        if self.path.exists():
+            self.keys = json.loads(self.path.read_text()).get("keys", {})
+
+    def add(
+        self,
+        tenant: str,
+        *,
+        user: str | None = None,
+        max_in_flight: int | None = None,
+        rpm: int | None = None,
+    ) -> str:
+        """A new key for ``tenant``'s own requests, or (``user``) for a user's, which go on
+        ``tenant``'s subjects. Returns the key; nothing else ever holds it."""
+        check_token(tenant, "tenant")
+        if tenant in RESERVED_TENANTS:
+            raise TenantError(f"{tenant!r} is reserved for jetrl's own parts")
+        if user is not None:
+            check_token(user, "user name")
+        for name, value in (("max in flight", max_in_flight), ("rpm", rpm)):
+            if value is not None and value < 1:
+                raise TenantError(f"{name} must be at least 1")
+        key = "jrl-" + secrets.token_urlsafe(32)
+        grant: dict[str, Any] = {"tenant": tenant, "max_in_flight": max_in_flight}
+        if user is not None:
+            grant["user"] = user
+        if rpm is not None:
+            grant["rpm"] = rpm
+        self.keys[hashlib.sha256(key.encode()).hexdigest()] = grant
+        return key
+
+    def remove(self, *, tenant: str | None = None, user: str | None = None) -> int:
+        """Drop every key of ``user``, or every key on ``tenant``'s subjects; how many."""
+
+        def drop(g: dict[str, Any]) -> bool:
+            return (user is not None and g.get("user") == user) or (
+                tenant is not None and g.get("tenant") == tenant
+            )
+
+        before = len(self.keys)
+        self.keys = {h: g for h, g in self.keys.items() if not drop(g)}
+        return before - len(self.keys)
+
+    def save(self) -> None:
+        write_private(self.path, json.dumps({"keys": self.keys}, indent=2) + "\n")
+
+
 class TenantRegistry:
     """The identities of one deployment (a directory), and the server configuration they give."""
 
@@ -106,13 +160,15 @@ class TenantRegistry:
         self.dir = Path(directory)
         self.path = self.dir / "tenants.json"
         self.identities: dict[str, Identity] = {}
-        self.api_keys: dict[str, dict[str, Any]] = {}  # sha256 of a key -> {tenant, max_in_flight}
         if self.path.exists():
             raw = json.loads(self.path.read_text())
             self.identities = {n: Identity(**i) for n, i in raw.get("identities", {}).items()}
-        keys = self.keys_path
-        if keys.exists():
-            self.api_keys = json.loads(keys.read_text()).get("keys", {})
+        self.keys = KeysFile(self.keys_path)
+
+    @property
+    def api_keys(self) -> dict[str, dict[str, Any]]:
+        """sha256 of a key -> its grant (gateway_keys.py): tenants' keys and users'."""
+        return self.keys.keys
 
     # ------------------------------------------------------------------ paths
 
@@ -180,7 +236,7 @@ class TenantRegistry:
         del self.identities[ident.name]
         with contextlib.suppress(FileNotFoundError):
             self.creds_path(name).unlink()
-        self.api_keys = {h: k for h, k in self.api_keys.items() if k.get("tenant") != name}
+        self.keys.remove(tenant=name)  # its own keys and those of users served on its subjects
 
     def rotate(self, name: str) -> Identity:
         """A new key pair: the old credentials stop working at the next reload."""
@@ -194,13 +250,10 @@ class TenantRegistry:
         ident.runs = [r for r in ident.runs if r != run_id]
         return ident
 
-    def new_api_key(self, tenant: str, max_in_flight: int | None = None) -> str:
+    def new_api_key(self, tenant: str, max_in_flight: int | None = None, rpm: int | None = None) -> str:
         """A gateway API key for ``tenant``; only its hash is kept, the key is shown once."""
         self._tenant(tenant)
-        key = "jrl-" + secrets.token_urlsafe(32)
-        digest = hashlib.sha256(key.encode()).hexdigest()
-        self.api_keys[digest] = {"tenant": tenant, "max_in_flight": max_in_flight}
-        return key
+        return self.keys.add(tenant, max_in_flight=max_in_flight, rpm=rpm)
 
     def _tenant(self, name: str) -> Identity:
         ident = self.identities.get(name)
@@ -215,7 +268,7 @@ class TenantRegistry:
         self.dir.mkdir(parents=True, exist_ok=True)
         raw = {"identities": {n: vars(i) for n, i in sorted(self.identities.items())}}
         write_private(self.path, json.dumps(raw, indent=2) + "\n")
-        write_private(self.keys_path, json.dumps({"keys": self.api_keys}, indent=2) + "\n")
+        self.keys.save()
         write_private(self.auth_conf, self.authorization())
         reloaded = reload_servers(self.servers_dir)
         log.debug(  # `jetrl tenants` prints what it did; a supervisor's saves are routine

@@ -30,6 +30,7 @@ def add_command(sub: Any) -> None:
     add.add_argument("--run", action="append", default=[], help="a run it joins (repeatable)")
     add.add_argument("--api-key", action="store_true", help="also make a gateway API key (shown once)")
     add.add_argument("--max-in-flight", type=int, default=None, help="the key's gateway requests at once")
+    add.add_argument("--rpm", type=int, default=None, help="the key's gateway requests per minute")
     add.add_argument("--nats-url", default=None, help="create its views of the runs on this server now")
     ops.add_parser("list", help="every identity, its runs and key")
     rm = ops.add_parser("remove", help="revoke a tenant: its connections close at the reload")
@@ -45,7 +46,8 @@ def add_command(sub: Any) -> None:
     leave.add_argument("run")
     key = ops.add_parser("key", help="a new gateway API key for a tenant (shown once)")
     key.add_argument("name")
-    key.add_argument("--max-in-flight", type=int, default=None)
+    key.add_argument("--max-in-flight", type=int, default=None, help="its gateway requests at once")
+    key.add_argument("--rpm", type=int, default=None, help="its gateway requests per minute")
 
 
 async def create_views(reg: TenantRegistry, url: str, pairs: list[tuple[str, str]]) -> list[str]:
@@ -79,14 +81,17 @@ def _run(reg: TenantRegistry, args: argparse.Namespace) -> int:
         if not idents:
             print(f"no identities in {reg.dir}")
         for i in idents:
-            keys = sum(1 for k in reg.api_keys.values() if k.get("tenant") == i.name)
+            keys = sum(1 for k in reg.api_keys.values() if k.get("tenant") == i.name and not k.get("user"))
             runs = ",".join(i.runs) or "-"
             print(f"{i.kind:<7} {i.name:<20} runs {runs:<30} api keys {keys}  key {i.public_key[:12]}...")
+        users = sorted({(k["user"], k.get("tenant")) for k in reg.api_keys.values() if k.get("user")})
+        for user, tenant in users:  # gateway users (`jetrl gateway keys`), not NATS identities
+            print(f"{'user':<7} {user:<20} gateway API keys on tenant {tenant}")
         return 0
     url = getattr(args, "nats_url", None)
     if args.op == "add":
         ident = reg.add(args.name, args.run)
-        key = reg.new_api_key(ident.name, args.max_in_flight) if args.api_key else None
+        key = reg.new_api_key(ident.name, args.max_in_flight, args.rpm) if args.api_key else None
         reg.save()
         runs = ",".join(ident.runs) or "-"
         print(f"tenant {ident.name}: runs {runs}; credentials {reg.creds_path(ident.name)}")
@@ -114,7 +119,7 @@ def _run(reg: TenantRegistry, args: argparse.Namespace) -> int:
         reg.save()
         print(f"tenant {args.name} left run {args.run}")
     elif args.op == "key":
-        key = reg.new_api_key(args.name, args.max_in_flight)
+        key = reg.new_api_key(args.name, args.max_in_flight, args.rpm)
         reg.save()
         print(f"gateway API key for {args.name} (shown once): {key}")
     return 0
