@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 from pathlib import Path
 
 import aiohttp
 import pytest
+from openai import AsyncOpenAI
 
 from jetrl.bus import events as ev
 from jetrl.bus.client import Bus
 from jetrl.bus.server import EmbeddedServer
 from jetrl.deploy.config import load_config
 from jetrl.deploy.supervisor import Supervisor
-from jetrl.producers.gateway import ChatGateway, GatewaySettings, RequestError, render
+from jetrl.producers.gateway import ApiError, ChatGateway, GatewaySettings, RequestError, render
 
 
 def test_messages_render_to_the_prompt_and_bad_requests_are_refused() -> None:
@@ -23,19 +23,42 @@ def test_messages_render_to_the_prompt_and_bad_requests_are_refused() -> None:
     assert render(parts) == "1+1="
     gw = ChatGateway(None, "r", GatewaySettings(max_tokens=8, max_n=4))  # type: ignore[arg-type]  # parsing needs no bus
     ok = {"messages": [{"role": "user", "content": "ab="}]}
-    assert gw._parse(ok)[1:] == (gw.tok.encode("ab="), 1, 8, 1.0, False)
-    for bad, why in (
-        ([], "JSON object"),
-        ({"messages": []}, "non-empty"),
-        ({"messages": [{"role": "robot", "content": "x"}]}, "role"),
-        ({"messages": [{"role": "user", "content": "ABC"}]}, "tokenizer"),
-        ({**ok, "n": 5}, "'n'"),
-        ({**ok, "max_tokens": 9}, "max_tokens"),
-        ({**ok, "temperature": -1}, "temperature"),
-        ({**ok, "stream": True}, "streaming"),
+    req = gw._parse(ok)
+    assert (req.tokens, req.n, req.max_tokens, req.temperature, req.logprobs, req.stream) == (
+        gw.tok.encode("ab="),
+        1,
+        8,
+        1.0,
+        False,
+        False,
+    )
+    streamed = gw._parse({**ok, "stream": True, "stream_options": {"include_usage": True}, "model": "jetrl"})
+    assert streamed.stream and streamed.include_usage
+    assert gw._parse({**ok, "max_completion_tokens": 3, "max_tokens": 8}).max_tokens == 3
+    assert gw._parse({**ok, "temperature": 1e-300}).temperature == 0.0  # greedy, not a division by ~0
+    for bad, why, param in (
+        ([], "JSON object", None),
+        ({"messages": []}, "non-empty", "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "role", "messages"),
+        ({"messages": [{"role": ["user"], "content": "x"}]}, "role", "messages"),
+        ({"messages": [{"role": "user", "content": "ABC"}]}, "tokenizer", "messages"),
+        ({**ok, "n": 5}, "'n'", "n"),
+        ({**ok, "n": True}, "'n'", "n"),
+        ({**ok, "max_tokens": 9}, "max_tokens", "max_tokens"),
+        ({**ok, "max_tokens": 0}, "max_tokens", "max_tokens"),  # not "the default"
+        ({**ok, "temperature": -1}, "temperature", "temperature"),
+        ({**ok, "temperature": float("nan")}, "temperature", "temperature"),
+        ({**ok, "stream": "yes"}, "boolean", "stream"),
+        ({**ok, "stream_options": {"include_usage": True}}, "only allowed", "stream_options"),
+        ({**ok, "stream": True, "stream_options": []}, "object", "stream_options"),
+        ({**ok, "model": 3}, "string", "model"),
     ):
-        with pytest.raises(RequestError, match=why):
+        with pytest.raises(RequestError, match=why) as err:
             gw._parse(bad)
+        assert err.value.status == 400 and err.value.param == param
+    with pytest.raises(ApiError, match="does not exist") as missing:
+        gw._parse({**ok, "model": "gpt-4o"})
+    assert (missing.value.status, missing.value.code) == (404, "model_not_found")
 
 
 @pytest.mark.slow
@@ -43,7 +66,9 @@ async def test_a_live_run_answers_chat_completions(nats_server: EmbeddedServer, 
     cfg = load_config(
         None,
         [
-            *("--trainer.max_steps", "30", "--trainer.batch_groups", "2", "--run.max_wall_s", "120"),
+            # Served until its time budget: a step count would end it, under load, before the
+            # requests below were answered (the gateway would then time out, the workers gone).
+            *("--trainer.max_steps", "100000", "--trainer.batch_groups", "2", "--run.max_wall_s", "60"),
             *("--inference.workers", "1", "--envs.0.group_size", "4", "--store.recorder", "false"),
             *("--bus.weights_store", "file", "--bus.max_gib", "0.25", "--bus.payload_max_gib", "0.5"),
         ],
@@ -78,18 +103,28 @@ async def test_a_live_run_answers_chat_completions(nats_server: EmbeddedServer, 
             assert 1 <= len(c["logprobs"]["content"]) <= 2  # one per sampled token (<eos> included)
             assert all(t["logprob"] <= 0.0 for t in c["logprobs"]["content"])
         assert answer["usage"]["prompt_tokens"] == len(gw.tok.encode("3+4="))
+        assert (
+            answer["usage"]["total_tokens"]
+            == answer["usage"]["prompt_tokens"] + answer["usage"]["completion_tokens"]
+        )
         assert answer["jetrl"]["policy_version"] >= 0 and len(answer["jetrl"]["generation_ids"]) == 3
 
-        # The verifiers extra brings the official client; without it, done.
-        if importlib.util.find_spec("openai") is not None:
-            from openai import AsyncOpenAI
-
-            client = AsyncOpenAI(base_url=gw.url, api_key="unused")
-            out = await client.chat.completions.create(
-                model="jetrl", messages=[{"role": "user", "content": "1+2="}], max_tokens=2, n=2
-            )
-            assert len(out.choices) == 2 and out.choices[0].message.role == "assistant"
-            await client.close()
+        # The official client (the dev extra), streaming too, against the training run.
+        client = AsyncOpenAI(base_url=gw.url, api_key="unused", max_retries=0)
+        out = await client.chat.completions.create(
+            model="jetrl", messages=[{"role": "user", "content": "1+2="}], max_tokens=2, n=2
+        )
+        assert len(out.choices) == 2 and out.choices[0].message.role == "assistant"
+        stream = await client.chat.completions.create(
+            model="jetrl",
+            messages=[{"role": "user", "content": "1+2="}],
+            max_tokens=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [c async for c in stream]
+        assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].usage is not None
+        await client.close()
     finally:
         await gw.stop()
         assert await run == 0  # the run goes on to its end, untouched by the gateway

@@ -25,7 +25,8 @@ def test_a_request_is_rendered_by_the_chat_template(tok_dir: Path) -> None:
     tok = HFTokenizer(tok_dir)
     gw = ChatGateway(None, "r", GatewaySettings(max_tokens=8), tok)  # type: ignore[arg-type]  # parsing needs no bus
     msgs = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 3 + 4?"}]
-    text, tokens, *_ = gw._parse({"messages": msgs})
+    req = gw._parse({"messages": msgs})
+    text, tokens = req.text, req.tokens
     want = "<|im_start|>system\nAnswer briefly.<|im_end|>\n<|im_start|>user\nWhat is 3 + 4?<|im_end|>\n"
     assert text == want + "<|im_start|>assistant\n"
     assert tokens == tok.encode(text, bos=False) and tokens[0] == tok.encode("<|im_start|>", bos=False)[0]

@@ -21,7 +21,8 @@ import structlog
 from jetrl.bus import events as ev
 from jetrl.bus import subjects
 from jetrl.bus.client import Bus
-from jetrl.producers.gateway import ApiKeys, ChatGateway, GatewaySettings, key_hash, parse_keys
+from jetrl.producers.gateway import ApiKeys, ChatGateway, GatewaySettings, key_hash, parse_keys, refusal
+from jetrl.producers.gateway_keys import RateLimits, retry_after
 
 KEY_A = f"sk-acme-{secrets.token_hex(16)}"
 KEY_B = f"sk-globex-{secrets.token_hex(16)}"
@@ -223,3 +224,59 @@ def test_keys_file_is_checked_and_a_bad_rewrite_keeps_the_old_keys(tmp_path: Pat
         and keys.lookup(KEY_B)
         == parse_keys({"keys": {key_hash(KEY_B): {"tenant": "globex", "max_in_flight": 1}}})[key_hash(KEY_B)]
     )
+
+
+def test_users_keys_and_rate_limits_are_read_from_the_file() -> None:
+    user = {"tenant": "default", "user": "alice", "max_in_flight": 2, "rpm": 30}
+    grants = parse_keys({"keys": {key_hash(KEY_A): user, key_hash(KEY_B): {"tenant": "acme"}}})
+    alice, acme = grants[key_hash(KEY_A)], grants[key_hash(KEY_B)]
+    assert (alice.tenant, alice.user, alice.max_in_flight, alice.rpm) == ("default", "alice", 2, 30)
+    # In flight: a user counts on its own, a tenant's key on the tenant's.
+    assert alice.principal == "user:alice" and acme.principal == "acme" and acme.rpm is None
+    for bad, why in (
+        ({**user, "rpm": 0}, "rpm"),
+        ({**user, "rpm": True}, "rpm"),
+        ({**user, "rpm": 1.5}, "rpm"),
+        ({**user, "user": 3}, "'user'"),
+        ({**user, "user": "a b"}, "subject token"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            parse_keys({"keys": {key_hash(KEY_A): bad}})
+
+
+def test_a_token_bucket_allows_a_burst_of_rpm_then_rpm_a_minute() -> None:
+    now = [1000.0]
+    limits = RateLimits(clock=lambda: now[0])
+    assert [limits.take("k", 3) for _ in range(3)] == [0.0, 0.0, 0.0]  # a burst of rpm
+    assert limits.take("k", 3) == pytest.approx(20.0)  # the next one in 60/3 s
+    assert retry_after(limits.take("k", 3)) == "20"
+    now[0] += 19.0
+    assert limits.take("k", 3) == pytest.approx(1.0)
+    assert retry_after(0.2) == "1"  # whole seconds, at least one
+    now[0] += 1.0
+    assert limits.take("k", 3) == 0.0 and limits.take("k", 3) > 0  # one refilled, taken
+    assert limits.take("other", 3) == 0.0  # each key its own bucket
+    assert limits.take("k", None) == 0.0 and "k" not in limits.buckets  # no rpm: no limit
+    # A key whose rpm changes keeps its bucket's level (no fresh burst); one removed is forgotten.
+    assert limits.take("k", 1) == 0.0 and limits.take("k", 1) == pytest.approx(60.0)
+    assert limits.take("k", 60) == pytest.approx(1.0)  # 60 a minute now, from an empty bucket
+    limits.keep({"other"})
+    assert set(limits.buckets) == {"other"}
+
+
+def test_the_workers_refusals_become_openai_errors() -> None:
+    def dead(reason: str) -> ev.DeadLettered:
+        return ev.DeadLettered(
+            reason=reason, detail="why", consumer="inference", original_subject="s", original_stream_seq=1
+        )
+
+    for reason, status, code in (
+        ("too_long", 400, "context_length_exceeded"),
+        ("quota", 429, "rate_limit_exceeded"),
+        ("unknown_env", 403, "tenant_not_in_run"),
+        ("bad_tokens", 400, "bad_tokens"),
+    ):
+        err = refusal(dead(reason))
+        assert (err.status, err.code) == (status, code) and "why" in err.message
+        assert set(err.body()["error"]) == {"message", "type", "param", "code"}
+    assert refusal(dead("quota")).headers["Retry-After"] == "1"
