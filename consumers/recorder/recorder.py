@@ -215,9 +215,10 @@ class Recorder:
                 max_ack_pending=self.batch * 4,
                 deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
                 start_seq=start_seq,
-                # Each message acked once it is committed: an ack never settles another
-                # message, so the server's ack floor never passes an event not recorded.
-                ack_policy=api.AckPolicy.EXPLICIT,
+                # One ack per batch, its last message's, settling the whole batch: safe since a
+                # batch is committed only when it runs on from the tracking row without a gap
+                # (_first_missing), so the ack floor never passes an event not recorded.
+                ack_policy=api.AckPolicy.ALL,
             )
         )
         return consumer
@@ -301,8 +302,9 @@ class Recorder:
             oldest = got.deliveries[0].msg.metadata.timestamp.timestamp() if got.deliveries else None
             await self._commit(items, max(seqs), oldest)
             self.stats.dead_lettered += len(got.dead_lettered)
-            with contextlib.suppress(Exception):  # an ack lost is only a redelivery, skipped by seq
-                await consumer.ack_all(got.deliveries)
+            if got.deliveries:  # an ack lost is only a redelivery, skipped by seq
+                with contextlib.suppress(Exception):
+                    await got.deliveries[-1].msg.ack()
 
         async def done() -> bool:
             nonlocal last_log, last_batch, last_stall_check, handled

@@ -42,8 +42,8 @@ async def test_recorder_projects_a_synthetic_run_exactly(bus: Bus, run_id: str, 
     with store.read() as conn:
         assert check_projection(conn, run) == []
     assert queries.recorded_seq(store, run_id) == len(run.events)
-    # Each message was acked on its own once committed (AckPolicy.EXPLICIT, PullConsumer.ack_all):
-    # the server ends with nothing pending and its ack floor at the head.
+    # Every committed batch was acked (AckPolicy.ALL, its last message): the server ends with
+    # nothing pending and its ack floor at the head.
     deadline = time.monotonic() + 10
     while True:
         info = await bus.js.consumer_info(stream_name(run_id), DEFAULT_DURABLE)
