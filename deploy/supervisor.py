@@ -103,6 +103,7 @@ class Supervisor:
         self.overrides = list(overrides or [])  # a resume's, recorded in its RunResumed
         self.final_step_seen = asyncio.Event()  # the trainer said its goal is reached
         self.announced_seq = 0  # this run's RunStarted, or this resume's RunResumed
+        self.end_reason: str | None = None  # set by end(): the run stops as completed
         self.server: EmbeddedServer | None = None
         self.parts: list[Part] = []
         self.progress = Progress()
@@ -320,6 +321,11 @@ class Supervisor:
 
     # ------------------------------------------------------------------ the run
 
+    def end(self, reason: str = "ended by its caller") -> None:
+        """End the run as its time budget does (completed, closed out, recorded), from code
+        that runs it in-process: a notebook, a test that has seen what it waited for."""
+        self.end_reason = reason
+
     async def run(self) -> int:
         if self.cfg.run.fork_parts:
             warm_up()  # the parts' imports, while the server starts and the run is announced
@@ -375,6 +381,10 @@ class Supervisor:
                     next_usage = time.monotonic() + USAGE_EVERY_S
                     await self.check_usage(bus)
                     await self.ensure_views(bus)
+                if self.end_reason is not None:
+                    status, reason = "completed", self.end_reason
+                    self.say(self.end_reason)
+                    break
                 if budget is not None and time.monotonic() - t_start > budget:
                     status, reason = "completed", f"time budget of {budget:.0f}s reached"
                     self.say(f"time budget of {budget:.0f}s reached")

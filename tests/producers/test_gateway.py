@@ -66,9 +66,10 @@ async def test_a_live_run_answers_chat_completions(nats_server: EmbeddedServer, 
     cfg = load_config(
         None,
         [
-            # Served until its time budget: a step count would end it, under load, before the
-            # requests below were answered (the gateway would then time out, the workers gone).
-            *("--trainer.max_steps", "100000", "--trainer.batch_groups", "2", "--run.max_wall_s", "60"),
+            # Served until the requests below are answered (Supervisor.end): a step count could
+            # end it first (the gateway would then time out, the workers gone); the time budget
+            # is a guard.
+            *("--trainer.max_steps", "100000", "--trainer.batch_groups", "2", "--run.max_wall_s", "240"),
             *("--inference.workers", "1", "--envs.0.group_size", "4", "--store.recorder", "false"),
             *("--bus.weights_store", "file", "--bus.max_gib", "0.25", "--bus.payload_max_gib", "0.5"),
         ],
@@ -125,9 +126,11 @@ async def test_a_live_run_answers_chat_completions(nats_server: EmbeddedServer, 
         chunks = [c async for c in stream]
         assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].usage is not None
         await client.close()
+        assert not run.done()  # the run went on, untouched by the gateway
     finally:
         await gw.stop()
-        assert await run == 0  # the run goes on to its end, untouched by the gateway
+        sup.end("the gateway's requests are answered")
+        assert await run == 0
     # The request and its answers are facts in the run's log, on the gateway's own subject.
     log = await bus.read_log(run_id)
     await bus.close()
