@@ -26,6 +26,9 @@ from jetrl.policy.routing import capture_routing
 Precision = Literal["bf16", "fp32"]
 PRECISIONS: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
 FinishReason = Literal["stop", "length"]
+# Below this a temperature samples the argmax anyway, and float32 logits divided by it can
+# overflow to inf (NaN probabilities): it is greedy.
+GREEDY_BELOW = 1e-6
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +75,7 @@ def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) ->
     """Log-probabilities of the distribution tokens are drawn from (float32, ``-inf`` outside
     the top-p nucleus)."""
     logits = logits.float()
-    if temperature == 0:
+    if temperature < GREEDY_BELOW:
         greedy = torch.full_like(logits, float("-inf"))
         return greedy.scatter(-1, logits.argmax(-1, keepdim=True), 0.0)
     logp = torch.log_softmax(logits / temperature, dim=-1)
@@ -93,7 +96,7 @@ def sample_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row; returns ``(tokens [B], logprobs [B])``."""
     logp = sampling_logprobs(logits, temperature, top_p)
-    if temperature == 0:
+    if temperature < GREEDY_BELOW:
         tokens = logp.argmax(-1)
     else:
         tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)

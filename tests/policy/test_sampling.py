@@ -35,6 +35,15 @@ def test_temperature_and_greedy():
     assert tok.tolist() == [0] and lp.tolist() == [0.0]
 
 
+def test_a_vanishing_temperature_is_greedy_not_nan():
+    # 4e-283 divides float32 logits to inf: it must sample the argmax, with a finite log-prob.
+    logits = torch.tensor([[0.5, 2.0, -1.0], [3.0, 0.0, 1.0]])
+    for t in (4e-283, 1e-9):
+        tokens, lps = sample_tokens(logits, t, 1.0, torch.Generator().manual_seed(0))
+        assert tokens.tolist() == [1, 0] and lps.tolist() == [0.0, 0.0]
+        assert torch.isfinite(sampling_logprobs(logits, t, 0.9).exp()).all()
+
+
 def test_max_tokens_and_alignment(model, tok, cfg):
     gens = generate(
         model, _prompts(tok), SamplingConfig(max_tokens=5), generator=torch.Generator().manual_seed(0)
