@@ -16,6 +16,7 @@ false`` starts every part as a fresh interpreter.
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import multiprocessing.context
 import os
@@ -149,7 +150,12 @@ def _run_forked(module: str, args: list[str], env: dict[str, str], log_path: str
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     sys.argv = [module, *args]
     sys.modules.pop(module, None)  # run as __main__, not as the module the server may hold
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    finally:
+        # A forked child ends with os._exit: run what the part registered, as an interpreter's
+        # exit would (a parallel engine's group leaves at exit).
+        atexit._run_exitfuncs()
 
 
 def start_part(argv: list[str], env: Mapping[str, str], log_path: Path, *, fork: bool = True) -> PartProcess:

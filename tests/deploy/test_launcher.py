@@ -56,6 +56,13 @@ def test_a_forked_part_that_raises_exits_1_with_its_traceback_in_its_log(tmp_pat
     assert "RuntimeError: the part failed" in log.read_text()
 
 
+@pytest.mark.parametrize("fork", [True, False])
+def test_what_a_part_registers_to_run_at_exit_runs(fork: bool, tmp_path: Path) -> None:
+    log = tmp_path / "p.log"
+    assert wait_for(start_part([*CHILD, "atexit"], dict(os.environ), log, fork=fork)) == 0
+    assert log.read_text() == "left at exit\n"
+
+
 def test_commands_other_than_python_m_start_fresh(tmp_path: Path) -> None:
     log = tmp_path / "p.log"
     proc = start_part(["/bin/sh", "-c", "echo fresh; exit 4"], dict(os.environ), log)

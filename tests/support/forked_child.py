@@ -35,6 +35,11 @@ def main(argv: list[str]) -> int:
     if mode == "sleep":
         time.sleep(float(argv[1]))
         return 0
+    if mode == "atexit":
+        import atexit
+
+        atexit.register(lambda: print("left at exit", flush=True))
+        return 0
     if mode == "raise":
         raise RuntimeError("the part failed")
     return 2
