@@ -176,7 +176,7 @@ class ObjectStorePayloads:
         return _ref(self, name, data, digest)
 
     async def get_bytes(self, ref: ev.PayloadRef) -> bytes:
-        try:
+        async def read() -> _BufferWriter:
             info = await self.obj.get_info(ref.name)
             if info.size != ref.size:
                 raise PayloadIntegrityError(
@@ -186,6 +186,12 @@ class ObjectStorePayloads:
             # bytes object, a copy of all read so far per chunk (19 s for 64 MiB, measured).
             into = _BufferWriter(int(info.size or 0))
             await self.obj.get(ref.name, writeinto=into)
+            return into
+
+        try:
+            # Retried through a leader election of the bucket's stream, as a put is (a reader
+            # that gave up would crash its part, which restarts into the same election).
+            into = await retrying(f"get {ref.bucket}/{ref.name}", read)
         except nats.js.errors.ObjectNotFoundError:
             raise PayloadMissing(f"payload {ref.bucket}/{ref.name} not found") from None
         except nats.js.errors.DigestMismatchError as exc:

@@ -28,6 +28,7 @@ RETRYABLE = (
     nats.errors.TimeoutError,
     nats.errors.NoRespondersError,
     nats.js.errors.NoStreamResponseError,
+    nats.js.errors.ServiceUnavailableError,  # 503: "JetStream system temporarily unavailable"
     nats.errors.ConnectionClosedError,
     nats.errors.ConnectionReconnectingError,
     nats.errors.StaleConnectionError,
