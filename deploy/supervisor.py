@@ -420,6 +420,9 @@ class Supervisor:
                         event_id=ids.run_finished_id(self.run_id, status, steps, self.announced_seq),
                     )
                 )
+            # The monitor stops first: stopped, it folds the log to its end and checks its
+            # alerts once more, and what it raises then is for the recorder to record too.
+            self.stop_parts({"monitor"})
             head = await bus.last_seq(self.run_id)
             await self.wait_for_recorder(head)
             self.stop_parts()

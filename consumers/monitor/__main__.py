@@ -1,7 +1,8 @@
 """``python -m jetrl.consumers.monitor --nats-url URL --run RUN --settings JSON``: the run's
 headless monitor part. It follows the log, publishes alert transitions on it, feeds the
 trackers ([monitor] wandb, tensorboard) and serves Prometheus' /metrics ([monitor]
-prometheus_port). Stopped, it first folds what the log holds, so the trackers get every step.
+prometheus_port). Stopped, it first folds what the log holds, so the trackers get every step,
+and checks the alerts on it.
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ async def watch(bus: Bus, run_id: str, part: MonitorPart, stop: asyncio.Event) -
                 ),
                 timeout=10.0,
             )
+        # ... and its alerts checked once more: a short run can end before the periodic check
+        # saw its last steps (or before a restarted monitor caught up at all).
+        with contextlib.suppress(Exception):
+            await monitor.publish(monitor.check_alerts())
     finally:
         for t in tasks:
             t.cancel()
