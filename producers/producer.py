@@ -118,7 +118,7 @@ class EnvProducer:
                     )
                     said = True
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=2.0)
+                await asyncio.wait_for(stop.wait(), timeout=0.5)
         return False
 
     async def catch_up(self) -> None:

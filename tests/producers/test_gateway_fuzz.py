@@ -40,13 +40,13 @@ from hypothesis import strategies as st
 
 from jetrl.bus import events as ev
 from jetrl.bus import ids, subjects
-from jetrl.bus.payloads import inline_array
 from jetrl.bus.server import EmbeddedServer
 from jetrl.bus.settings import EnvRoute, TenantSettings
 from jetrl.consumers.inference.settings import InferencePart
 from jetrl.policy.tokenizer import CharTokenizer
 from jetrl.producers.gateway import ChatGateway, GatewaySettings, parse_keys
 from jetrl.producers.gateway_api import ROLES
+from tests.support.catalog_samples import forged_generation
 from tests.support.served_policy import Served, served_policy, write_keys
 
 pytestmark = pytest.mark.slow
@@ -487,21 +487,8 @@ class EdgeFuzz:
         return ev.new_event(body, run_id=run, tenant=tenant, event_id=event_id, **over)
 
     def generation(self, tenant: str, task_id: str, index: int) -> ev.Event:
-        tokens = inline_array(np.asarray(TOK.encode("7", bos=False), np.int32))
-        body = ev.GenerationCompleted(
-            generation_id=f"{task_id}-{index}",
-            task_id=task_id,
-            env="gateway",
-            group_id=task_id,
-            sample_index=index,
-            group_size=1,
-            prompt_tokens=tokens,
-            completion_tokens=tokens,
-            logprobs=inline_array(np.zeros(1, np.float32)),
-            policy_version_start=0,
-            policy_version_end=0,
-            worker_id="inf-forged",
-        )
+        tokens = np.asarray(TOK.encode("7", bos=False), np.int32)
+        body = forged_generation(task_id, "gateway", tokens, index=index, worker_id="inf-forged")
         return ev.new_event(body, run_id=self.served.run_id, tenant=tenant)
 
     def forgery(self, kind: str, param: int, task_id: str, seq: int) -> tuple[str, bytes]:

@@ -8,6 +8,34 @@ from jetrl.bus import events as ev
 from jetrl.bus.payloads import inline_array as inline
 
 
+def forged_generation(
+    task_id: str,
+    env: str,
+    tokens: np.ndarray,
+    *,
+    index: int = 0,
+    group_size: int = 1,
+    worker_id: str = "inf-0",
+) -> ev.GenerationCompleted:
+    """A well-formed answer to ``task_id`` that no worker generated (``tokens`` as prompt and
+    completion, zero logprobs), for tests that publish what a misbehaving client would."""
+    ref = inline(np.asarray(tokens, np.int32))
+    return ev.GenerationCompleted(
+        generation_id=f"{task_id}-{index}",
+        task_id=task_id,
+        env=env,
+        group_id=task_id,
+        sample_index=index,
+        group_size=group_size,
+        prompt_tokens=ref,
+        completion_tokens=ref,
+        logprobs=inline(np.zeros(len(tokens), np.float32)),
+        policy_version_start=0,
+        policy_version_end=0,
+        worker_id=worker_id,
+    )
+
+
 def sample_bodies() -> list[ev.EventBody]:
     rng = np.random.default_rng(0)
     prompt = inline(rng.integers(0, 64, 12, dtype=np.int32))

@@ -54,15 +54,23 @@ async def test_part_killed_twice_mid_run(victim: str, env: str, tmp_path: Path) 
     # Its own embedded server: the nats-server is one of the victims.
     sup = Supervisor(cfg, run_id, tmp_path / run_id, quiet=True)
     run = asyncio.create_task(sup.run())
-    for target in sorted(rng.sample(range(2, STEPS - 3), 2)):  # random points of the run
+    # Two random points of the run's first half: the second kill still has steps to disturb
+    # however fast the restarted part catches up.
+    for kills, target in enumerate(sorted(rng.sample(range(1, STEPS // 2), 2))):
         while len(sup.progress.steps) < target and not run.done():
             await asyncio.sleep(0.05)
         if victim == "nats-server":
+            while sup.server_restarts < kills and not run.done():  # killed again once back
+                await asyncio.sleep(0.05)
             assert sup.server is not None
             sup.server.kill()
         else:
             part = next(p for p in sup.parts if p.name == victim)
-            assert part.proc is not None and part.proc.poll() is None
+            while not run.done() and (  # killed again once its restart is up
+                part.restarts < kills or part.proc is None or part.proc.poll() is not None
+            ):
+                await asyncio.sleep(0.05)
+            assert part.proc is not None and part.proc.poll() is None, f"{victim} ended after {kills} kills"
             part.proc.send_signal(signal.SIGKILL)
         await asyncio.sleep(rng.uniform(0.5, 1.5))
     assert await asyncio.wait_for(run, 240) == 0

@@ -68,6 +68,7 @@ from jetrl.producers.producer import EnvProducer
 from jetrl.producers.settings import EnvSettings, ProducerPart
 from jetrl.store.db import Store, open_store
 from tests.conftest import TEST_LIMITS
+from tests.support.catalog_samples import forged_generation
 from tests.support.engines import OracleEngine
 
 pytestmark = pytest.mark.slow
@@ -209,7 +210,6 @@ def edge_params(draw: st.DrawFn) -> tuple[str, Any]:
 def other_envelope_types(e: ev.Event) -> list[ev.Event]:
     """Events of other types than ``e``'s, for publishing on ``e``'s subject."""
     run, tenant = e.run_id, e.tenant
-    z = inline_array(np.zeros(2, np.int32))
     bodies: list[ev.EventBody] = [
         ev.StepCompleted(step=0, policy_version=1, rollout_ids=["math.acme.0-0"]),
         ev.WeightsReady(
@@ -223,20 +223,7 @@ def other_envelope_types(e: ev.Event) -> list[ev.Event]:
         ev.WorkerHeartbeat(worker_id="inf-9", kind="inference"),
         ev.PolicyVersionPublished(version=1, step=1, weights_checksum="0" * 64),
         ev.TaskSubmitted(task_id="modsum.acme.900", env="modsum", group_size=2, prompt_tokens=[1, 5]),
-        ev.GenerationCompleted(
-            generation_id="modsum.acme.900-0",
-            task_id="modsum.acme.900",
-            env="modsum",
-            group_id="modsum.acme.900",
-            sample_index=0,
-            group_size=2,
-            prompt_tokens=z,
-            completion_tokens=z,
-            logprobs=inline_array(np.zeros(2, np.float32)),
-            policy_version_start=0,
-            policy_version_end=0,
-            worker_id="inf-0",
-        ),
+        forged_generation("modsum.acme.900", "modsum", np.zeros(2, np.int32), group_size=2),
         ev.RolloutWithheld(
             rollout_id="math.acme.900-0",
             group_id="math.acme.900",

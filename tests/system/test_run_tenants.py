@@ -17,7 +17,7 @@ from jetrl.deploy.config import load_config
 from jetrl.deploy.supervisor import Supervisor
 from jetrl.deploy.tenants import TenantRegistry
 from jetrl.store import queries
-from jetrl.store.db import open_store
+from jetrl.store.db import StoreError, open_store, open_store_read_only
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,7 @@ name = "tiny-moe"
 [trainer]
 batch_groups = 4
 max_off_policy_steps = 1
-max_steps = 16
+max_steps = 400  # the test ends the run once both tenants were trained
 checkpoint_every = 4
 
 [inference]
@@ -87,6 +87,21 @@ def start_producer(config: Path, creds: Path, url: str, log: Path) -> subprocess
         )
 
 
+def both_trained(db: Path) -> bool:
+    """Whether the run's store, as the recorder has it now, holds trained rollouts of both."""
+    if not db.exists():
+        return False
+    try:
+        store = open_store_read_only(f"sqlite:///{db}")
+    except StoreError:  # not yet migrated by the recorder
+        return False
+    try:
+        trained = {t.tenant: t.trained for t in queries.tenant_summaries(store, "tn1")}
+    finally:
+        store.close()
+    return trained.get("acme", 0) > 0 and trained.get("globex", 0) > 0
+
+
 async def test_a_run_fed_by_a_local_and_a_remote_tenant(tmp_path: Path) -> None:
     reg = TenantRegistry(tmp_path / "tenants")
     reg.add("acme", [])
@@ -109,7 +124,16 @@ async def test_a_run_fed_by_a_local_and_a_remote_tenant(tmp_path: Path) -> None:
                 await asyncio.sleep(0.1)
             assert '"waiting_for_view"' in remote_log.read_text(), remote_log.read_text()[-2000:]
             sup = Supervisor(cfg, "tn1", run_dir, nats_url=server.url, quiet=True, tenants_dir=reg.dir)
-            assert await asyncio.wait_for(sup.run(), timeout=300) == 0
+            run = asyncio.create_task(sup.run())
+            # However fast the run, the remote tenant joins it a moment late: the run is ended
+            # once the store shows both tenants trained (or the test's time is up).
+            deadline = asyncio.get_running_loop().time() + 240
+            while not run.done() and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.5)
+                if both_trained(run_dir / "store.db"):
+                    break
+            sup.end("both tenants trained")
+            assert await asyncio.wait_for(run, timeout=120) == 0
             assert remote.poll() is None, remote_log.read_text()[-2000:]  # it never crashed
         finally:
             stop_process(remote)
