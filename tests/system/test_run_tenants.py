@@ -17,7 +17,7 @@ from jetrl.deploy.config import load_config
 from jetrl.deploy.supervisor import Supervisor
 from jetrl.deploy.tenants import TenantRegistry
 from jetrl.store import queries
-from jetrl.store.db import StoreError, open_store, open_store_read_only
+from jetrl.store.db import StoreError, open_store_read_only
 
 pytestmark = pytest.mark.slow
 
@@ -87,19 +87,22 @@ def start_producer(config: Path, creds: Path, url: str, log: Path) -> subprocess
         )
 
 
-def both_trained(db: Path) -> bool:
-    """Whether the run's store, as the recorder has it now, holds trained rollouts of both."""
-    if not db.exists():
-        return False
+def tenant_summaries(db: Path) -> dict[str, queries.TenantSummary]:
+    """The run's tenants as the recorder has recorded them so far (none before it made the
+    store), read as `jetrl runs` reads them: read-only, while the recorder may be writing."""
     try:
         store = open_store_read_only(f"sqlite:///{db}")
-    except StoreError:  # not yet migrated by the recorder
-        return False
+    except StoreError:  # no store yet, or not yet migrated by the recorder
+        return {}
     try:
-        trained = {t.tenant: t.trained for t in queries.tenant_summaries(store, "tn1")}
+        return {t.tenant: t for t in queries.tenant_summaries(store, "tn1")}
     finally:
         store.close()
-    return trained.get("acme", 0) > 0 and trained.get("globex", 0) > 0
+
+
+def both_trained(db: Path) -> bool:
+    summary = tenant_summaries(db)
+    return all(t in summary and summary[t].trained > 0 for t in ("acme", "globex"))
 
 
 async def test_a_run_fed_by_a_local_and_a_remote_tenant(tmp_path: Path) -> None:
@@ -140,11 +143,7 @@ async def test_a_run_fed_by_a_local_and_a_remote_tenant(tmp_path: Path) -> None:
     finally:
         server.stop()
     assert '"producer_started"' in remote_log.read_text()
-    store = open_store(f"sqlite:///{run_dir / 'store.db'}")
-    try:
-        summary = {t.tenant: t for t in queries.tenant_summaries(store, "tn1")}
-    finally:
-        store.close()
+    summary = tenant_summaries(run_dir / "store.db")
     # Both tenants' rollouts were trained; nothing of either was refused.
     assert summary["acme"].trained > 0 and summary["globex"].trained > 0, summary
     assert summary["acme"].rejections == 0 and summary["globex"].rejections == 0, summary
