@@ -49,11 +49,13 @@ browser:
 run: $(STAMP)
 	$(BIN)/jetrl run configs/demo.toml
 
-# mypy's files and settings are in pyproject.toml ([tool.mypy]).
+# mypy's files and settings are in pyproject.toml ([tool.mypy]). The suite runs on one pytest-xdist
+# worker per core; tests/conftest.py says which tests share a worker and which go first.
+TEST_WORKERS ?= auto
 test: $(STAMP) $(VLLM_STAMP) browser
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q -ra --durations=15 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -7,6 +7,7 @@ import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,6 +18,30 @@ from jetrl.bus.streams import StreamLimits
 # Small reservations: many runs share the session's server.
 TEST_LIMITS = StreamLimits(max_bytes=256 * 1024**2, payload_max_bytes=1024**3)
 POSTGRES_ENV = "JETRL_TEST_POSTGRES_URL"
+# Modules that start vLLM servers: each checks that no vLLM process but its own is alive.
+VLLM_MODULES = ("test_vllm_engine.py", "test_run_vllm.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Modules with a slow test go first: under pytest-xdist no long module then starts when
+    the rest is done. A stable sort on a key shared by a module's items keeps them together."""
+    slow_modules = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_modules)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """How `make test` spreads the suite over its pytest-xdist workers (``-n auto``): a module
+    runs whole on one worker (its module fixtures are made once), the vLLM modules on the same
+    one, in the order collected (slow modules first)."""
+    from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]  # no py.typed
+
+    class ByModule(LoadScopeScheduling):  # type: ignore[misc]  # xdist's classes are untyped here
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "vllm" if module.rsplit("/", 1)[-1] in VLLM_MODULES else module
+
+    config.option.loadscopereorder = False
+    return ByModule(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,7 @@ from jetrl.bus.streams import ensure_tenant_view, stream_name, view_stream_name
 from jetrl.deploy.tenants import ADMIN, TenantRegistry
 from tests.conftest import TEST_LIMITS
 
+pytestmark = pytest.mark.slow  # every forbidden action tried against an authorizing server
 RUN = f"sec{uuid.uuid4().hex[:8]}"
 
 

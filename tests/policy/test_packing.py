@@ -429,6 +429,7 @@ def test_unpacked_forward_is_the_plain_model_call(cfg):
     assert torch.equal(lp, want)
 
 
+@pytest.mark.slow  # flex attention compiles its kernel
 def test_flex_attention_takes_its_document_mask_from_the_positions():
     """torchtitan's flex attention (the GPU configs) builds its packed-document mask from
     ``positions`` (a document starts at position 0): forward only, flex has no CPU backward."""

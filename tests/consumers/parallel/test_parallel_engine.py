@@ -24,6 +24,7 @@ from jetrl.policy.train import Rollout
 from jetrl.policy.weights import weights_from_bytes
 from tests.support.parallel_run import CKPT_AFTER, ROLLOUTS, STEPS, part
 
+pytestmark = pytest.mark.slow  # each layout starts a group of ranks
 ROOT = Path(__file__).resolve().parents[3]
 
 # fp32, tolerances measured on this machine (max differences ~1e-6): rank batches are narrower

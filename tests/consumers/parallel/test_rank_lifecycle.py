@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each case starts a group of ranks
 ROOT = Path(__file__).resolve().parents[3]
 
 SCRIPT = """
