@@ -8,7 +8,8 @@ STAMP := $(VENV)/.jetrl-installed
 
 .PHONY: venv vllm-venv browser run test lint bench clean
 
-$(STAMP): pyproject.toml
+# browser first: it and the Mooncake line below may both run apt-get, which takes one lock.
+$(STAMP): pyproject.toml | browser
 	@# Mooncake's transfer engine links libibverbs (even over TCP); only root can install it.
 	@if [ -e /usr/lib/x86_64-linux-gnu/libibverbs.so.1 ] || ldconfig -p | grep -q libibverbs.so.1; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \

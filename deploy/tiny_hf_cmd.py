@@ -1,8 +1,8 @@
-"""`jetrl make-hf-tiny DIR [--kind moe|dense]`: a tiny Hugging Face checkpoint made on the spot.
+"""`jetrl make-hf-tiny DIR [--kind moe|dense|llama]`: a tiny Hugging Face checkpoint made on the spot.
 
 A byte-level BPE tokenizer trained with ``tokenizers`` on a small generated corpus (arithmetic
 word problems, the calculator tool's syntax), wrapped with a Qwen-style Jinja chat template, and a
-random Qwen3 / Qwen3-MoE model saved by transformers: a directory laid out as a real checkpoint,
+random Qwen3 / Qwen3-MoE / Llama model saved by transformers: a directory laid out as a real checkpoint,
 for trying the Hugging Face path (configs/hf-tiny.toml) and for the tests. Nothing is downloaded.
 """
 
@@ -63,7 +63,7 @@ def make_tokenizer_dir(path: Path, vocab_size: int = VOCAB) -> Path:
 
 def make_checkpoint(
     path: Path,
-    kind: Literal["dense", "moe"] = "moe",
+    kind: Literal["dense", "moe", "llama"] = "moe",
     *,
     seed: int = 0,
     layers: int = 2,
@@ -72,9 +72,10 @@ def make_checkpoint(
     tie: bool = False,
     shard_bytes: int | None = None,
 ) -> Path:
-    """A random Qwen3 (dense) or Qwen3-MoE checkpoint directory with the tokenizer beside it."""
+    """A random Qwen3 (dense), Qwen3-MoE or Llama checkpoint directory with the tokenizer beside
+    it."""
     import torch  # here: every jetrl command imports this module to list its options
-    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
     path.mkdir(parents=True, exist_ok=True)
     if tokenizer:
@@ -93,9 +94,11 @@ def make_checkpoint(
         pad_token_id=0,
         initializer_range=0.1,  # larger than HF's default so logits and routing are not flat
     )
-    cfg: Qwen3Config | Qwen3MoeConfig
+    cfg: Qwen3Config | Qwen3MoeConfig | LlamaConfig
     if kind == "dense":
         cfg = Qwen3Config(intermediate_size=128, **common)
+    elif kind == "llama":
+        cfg = LlamaConfig(intermediate_size=128, **common)
     else:
         cfg = Qwen3MoeConfig(
             moe_intermediate_size=32,
@@ -189,9 +192,11 @@ def main(args: argparse.Namespace) -> int:
 
 
 def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("make-hf-tiny", help="write a tiny random Qwen3(-MoE) checkpoint with a BPE tokenizer")
+    p = sub.add_parser(
+        "make-hf-tiny", help="write a tiny random Qwen3(-MoE) or Llama checkpoint with a BPE tokenizer"
+    )
     p.add_argument("dir")
-    p.add_argument("--kind", choices=["moe", "dense"], default="moe")
+    p.add_argument("--kind", choices=["moe", "dense", "llama"], default="moe")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument(

@@ -1,8 +1,9 @@
 """Hugging Face checkpoints in and out: config.json and safetensors, through torchtitan's
-Qwen3 state-dict adapter.
+state-dict adapter of the model's family (Qwen3's, Llama 3's).
 
 * :func:`read_config` turns a checkpoint's ``config.json`` into a jetrl :class:`ModelConfig`
-  (Qwen3 dense and Qwen3-MoE; anything else is refused with the list of what is served).
+  (Qwen3 dense, Qwen3-MoE and Llama: Llama 3.x, SmolLM2, other ``LlamaForCausalLM``; anything
+  else, and what a family has that jetrl does not compute, is refused with what is served).
 * :func:`check_checkpoint` checks a directory before any process starts: the config, every shard
   the index names, every tensor's name and shape against what the model expects (read from the
   safetensors headers, nothing loaded), and the tokenizer files.
@@ -31,7 +32,7 @@ from safetensors.torch import save_file
 
 from jetrl.policy.models import ModelConfig
 
-ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
+ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "LlamaForCausalLM": "llama"}
 # Files of a tokenizer that transformers' AutoTokenizer reads; tokenizer_config.json is required.
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -64,13 +65,37 @@ def _get(cfg: Mapping[str, Any], *names: str, default: Any = None) -> Any:
     return default
 
 
-def _rope_theta(cfg: Mapping[str, Any], where: Path) -> float:
+def _rope_params(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    # transformers 5 writes rope_parameters; older checkpoints rope_scaling (null: plain RoPE).
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    kind = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "default"
-    if kind != "default":
-        raise CheckpointError(f"{where}: rope_type {kind!r} is not supported (jetrl serves default RoPE)")
-    theta = _get(cfg, "rope_theta") or (params.get("rope_theta") if isinstance(params, dict) else None)
+    return params if isinstance(params, dict) else {}
+
+
+def _rope_kind(cfg: Mapping[str, Any]) -> str:
+    params = _rope_params(cfg)
+    return str(params.get("rope_type", params.get("type", "default")))
+
+
+def _rope_theta(cfg: Mapping[str, Any], where: Path, served: tuple[str, ...] = ("default",)) -> float:
+    kind = _rope_kind(cfg)
+    if kind not in served:
+        raise CheckpointError(
+            f"{where}: rope_type {kind!r} is not supported here (jetrl serves {', '.join(served)})"
+        )
+    theta = _get(cfg, "rope_theta") or _rope_params(cfg).get("rope_theta")
     return float(theta or 10_000.0)
+
+
+def _llama_rope_scaling(cfg: Mapping[str, Any]) -> tuple[float, float, float, int] | None:
+    if _rope_kind(cfg) != "llama3":
+        return None
+    p = _rope_params(cfg)
+    return (
+        float(p["factor"]),
+        float(p.get("low_freq_factor", 1.0)),
+        float(p.get("high_freq_factor", 4.0)),
+        int(p["original_max_position_embeddings"]),
+    )
 
 
 def config_from_hf(cfg: Mapping[str, Any], where: Path, name: str = "") -> ModelConfig:
@@ -82,12 +107,15 @@ def config_from_hf(cfg: Mapping[str, Any], where: Path, name: str = "") -> Model
             f"{where}: architecture {arch or '(none)'!r} is not supported; "
             f"jetrl loads {sorted(ARCHITECTURES)}"
         )
+    family = ARCHITECTURES[arch]
     refuse = {
         "attention_bias": bool(cfg.get("attention_bias")),
         "use_sliding_window": bool(cfg.get("use_sliding_window")),
         "hidden_act != silu": cfg.get("hidden_act", "silu") != "silu",
+        "mlp_bias": bool(cfg.get("mlp_bias")),
+        "pretraining_tp > 1": int(cfg.get("pretraining_tp") or 1) > 1,
     }
-    moe = ARCHITECTURES[arch] == "qwen3_moe"
+    moe = family == "qwen3_moe"
     if moe:
         refuse["mlp_only_layers (dense layers among MoE ones)"] = bool(cfg.get("mlp_only_layers"))
         refuse["decoder_sparse_step != 1"] = int(cfg.get("decoder_sparse_step", 1)) != 1
@@ -105,10 +133,17 @@ def config_from_hf(cfg: Mapping[str, Any], where: Path, name: str = "") -> Model
         "n_kv_heads": int(_get(cfg, "num_key_value_heads", default=n_heads)),
         "head_dim": int(_get(cfg, "head_dim", default=dim // n_heads)),
         "max_seq_len": int(_get(cfg, "max_position_embeddings", default=4096)),
-        "rope_theta": _rope_theta(cfg, where),
+        "rope_theta": _rope_theta(cfg, where, ("default", "llama3") if family == "llama" else ("default",)),
         "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
         "norm_eps": float(_get(cfg, "rms_norm_eps", default=1e-6)),
     }
+    if family == "llama":
+        return ModelConfig(
+            **common,
+            dense_hidden_dim=int(cfg["intermediate_size"]),
+            family="llama",
+            llama_rope_scaling=_llama_rope_scaling(cfg),
+        )
     if moe:
         return ModelConfig(
             **common,
@@ -185,11 +220,10 @@ def _shapes(files: Mapping[str, Path]) -> dict[str, tuple[int, ...]]:
 def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every HF tensor a model of ``cfg`` has, with its shape (from a model built on the meta
     device through the same adapter that loads and saves)."""
-    from jetrl.policy.models import build_model, to_titan_config
-    from jetrl.policy.titan import Qwen3StateDictAdapter
+    from jetrl.policy.models import build_model, state_dict_adapter
 
     model = build_model(cfg, seed=None, device="meta")
-    hf = Qwen3StateDictAdapter(to_titan_config(cfg), None).to_hf(model.state_dict())
+    hf = state_dict_adapter(cfg).to_hf(model.state_dict())
     return {k: tuple(v.shape) for k, v in hf.items()}
 
 
@@ -261,9 +295,12 @@ def load_state(path: str | os.PathLike[str], cfg: ModelConfig) -> dict[str, torc
 
 
 def _made_config(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
+    arch = {"llama": "LlamaForCausalLM"}.get(
+        cfg.family, "Qwen3MoeForCausalLM" if cfg.is_moe else "Qwen3ForCausalLM"
+    )
     out: dict[str, Any] = {
-        "architectures": ["Qwen3MoeForCausalLM" if cfg.is_moe else "Qwen3ForCausalLM"],
-        "model_type": "qwen3_moe" if cfg.is_moe else "qwen3",
+        "architectures": [arch],
+        "model_type": {"LlamaForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3_moe"}.get(arch, "qwen3"),
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.dim,
         "num_hidden_layers": cfg.n_layers,
@@ -289,6 +326,15 @@ def _made_config(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
         }
     else:
         out["intermediate_size"] = cfg.dense_hidden_dim
+    if cfg.llama_rope_scaling is not None:
+        factor, low, high, original = cfg.llama_rope_scaling
+        out["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": factor,
+            "low_freq_factor": low,
+            "high_freq_factor": high,
+            "original_max_position_embeddings": original,
+        }
     out["torch_dtype"] = str(dtype).removeprefix("torch.")
     return out
 

@@ -1,4 +1,5 @@
-"""Model configs and builders: Qwen3 (MoE and dense) decoders built from torchtitan's model code.
+"""Model configs and builders: Qwen3 (MoE and dense) and Llama decoders built from torchtitan's
+model code.
 
 jetrl does not define its own transformer. A :class:`ModelConfig` is turned into a torchtitan
 ``Qwen3Model.Config`` with torchtitan's public config helpers (``make_gqa_config``,
@@ -21,6 +22,12 @@ torchtitan's ``GroupedExperts`` casts tokens and expert weights to bf16 for its 
 whatever the model's dtype, so an fp32 trainer would compute its experts in bf16 (on CPUs
 without bf16 instructions also 13x slower). :class:`ExpertsInWeightDtype` computes them in the
 dtype of the weights: fp32 in the trainer, the inference precision in an inference copy.
+
+The Llama family (Llama 3.x, SmolLM2 and other ``LlamaForCausalLM`` checkpoints) is torchtitan's
+``Llama3Model``: Qwen3's dense block without QK norm, unfused Q/K/V, and RoPE on adjacent pairs
+(torchtitan's ``ComplexRoPE``, with Llama 3's frequency scaling) whose Q/K layout torchtitan's
+``Llama3StateDictAdapter`` permutes to and from Hugging Face's. :class:`RealPairRoPE` keeps that
+RoPE's table as real pairs, so that casting the model (``model.to(dtype)``) keeps it whole.
 """
 
 from __future__ import annotations
@@ -38,12 +45,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from jetrl.policy.titan import (
+    ComplexRoPE,
     CosSinRoPE,
     Embedding,
     GroupedExperts,
     Linear,
+    Llama3Model,
+    Llama3StateDictAdapter,
+    Llama3TransformerBlock,
     MoE,
     Qwen3Model,
+    Qwen3StateDictAdapter,
     Qwen3TransformerBlock,
     RMSNorm,
     ScaledDotProductAttention,
@@ -54,14 +66,19 @@ from jetrl.policy.titan import (
     make_moe_config,
     make_routed_experts_config,
     make_router_config,
+    rope_broadcast,
+    rope_check_positions,
+    rope_wrap_positions,
 )
 
 AttentionKind = Literal["sdpa", "flex", "varlen"]
+Family = Literal["qwen3", "llama"]
 
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Architecture of a Qwen3-family decoder. ``num_experts == 0`` gives a dense model."""
+    """Architecture of a decoder of one family: Qwen3 (``num_experts == 0`` gives a dense model)
+    or Llama (dense only)."""
 
     name: str
     vocab_size: int
@@ -86,8 +103,16 @@ class ModelConfig:
     route_norm: bool = True
     init_std: float = 0.02
     norm_eps: float = 1e-6  # RMSNorm epsilon (HF: rms_norm_eps)
+    family: Family = "qwen3"
+    # Llama 3's RoPE frequency scaling (HF rope_type "llama3"): factor, low_freq_factor,
+    # high_freq_factor, original_max_position_embeddings. None: plain RoPE.
+    llama_rope_scaling: tuple[float, float, float, int] | None = None
 
     def __post_init__(self) -> None:
+        if self.family == "llama" and self.num_experts:
+            raise ValueError("the Llama family is dense: num_experts must be 0")
+        if self.llama_rope_scaling is not None and self.family != "llama":
+            raise ValueError("llama_rope_scaling is Llama 3's RoPE scaling: family must be 'llama'")
         if self.num_experts and not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"top_k must be in 1..{self.num_experts}, got {self.top_k}")
         if self.num_experts and self.moe_hidden_dim <= 0:
@@ -148,6 +173,7 @@ CONFIGS: dict[str, ModelConfig] = {
         load_balance_coeff=1e-3,
     ),
 }
+CONFIGS["tiny-llama"] = CONFIGS["tiny-dense"].replace(name="tiny-llama", family="llama", tie_embeddings=True)
 CONFIGS["qwen3-235b-a22b"] = CONFIGS["qwen3-30b-a3b"].replace(
     name="qwen3-235b-a22b", dim=4096, n_layers=94, n_heads=64, moe_hidden_dim=1536, rope_theta=5_000_000.0
 )
@@ -271,6 +297,27 @@ class CachedSDPA(ScaledDotProductAttention):  # type: ignore[misc]  # torchtitan
         return out.transpose(1, 2)
 
 
+class RealPairRoPE(ComplexRoPE):  # type: ignore[misc]  # torchtitan ships no types
+    """torchtitan's ``ComplexRoPE`` with its table held as real (cos, sin) pairs: ``Module.to``
+    casts a complex buffer to a real dtype by dropping its imaginary part."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ComplexRoPE.Config):  # type: ignore[misc]  # torchtitan ships no types
+        pass
+
+    def _precompute_cache(self) -> torch.Tensor:
+        return torch.view_as_real(super()._precompute_cache())
+
+    def _reshape_cache(self, query: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        table = torch.view_as_complex(self.cache.float().contiguous())
+        positions = rope_wrap_positions(positions, query)
+        if positions is not None:
+            rope_check_positions(positions, max_valid_pos=table.shape[0] - 1)
+        shape = (*query.shape[:-1], query.shape[-1] // 2)
+        out: torch.Tensor = rope_broadcast(table, shape, positions)
+        return out
+
+
 def _dense_grad(grad: torch.Tensor) -> torch.Tensor:
     return grad if all(grad.stride()) else grad.contiguous()
 
@@ -315,8 +362,71 @@ def _norm(dim: int, eps: float) -> RMSNorm.Config:
     return RMSNorm.Config(normalized_shape=dim, eps=eps, param_init={"weight": nn.init.ones_})
 
 
-def to_titan_config(cfg: ModelConfig) -> Qwen3Model.Config:
-    """Translate a jetrl config into torchtitan's ``Qwen3Model.Config`` (nothing is built)."""
+def _llama_titan_config(cfg: ModelConfig) -> Llama3Model.Config:
+    std = cfg.init_std
+    out_std = std / math.sqrt(2 * cfg.n_layers)
+    inner = CachedSDPA.Config() if cfg.attention == "sdpa" else get_attention_config(cfg.attention)
+    scaling: dict[str, Any] = {}
+    if cfg.llama_rope_scaling is not None:
+        factor, low, high, original = cfg.llama_rope_scaling
+        scaling = {
+            "scaling": "llama",
+            "scaling_factor": factor,
+            "low_freq_factor": low,
+            "high_freq_factor": high,
+            "original_max_position_embeddings": original,
+        }
+    rope = RealPairRoPE.Config(dim=cfg.head_dim, max_seq_len=cfg.max_seq_len, theta=cfg.rope_theta, **scaling)
+    layers = [
+        Llama3TransformerBlock.Config(
+            attention_norm=_norm(cfg.dim, cfg.norm_eps),
+            ffn_norm=_norm(cfg.dim, cfg.norm_eps),
+            attention=make_gqa_config(
+                dim=cfg.dim,
+                n_heads=cfg.n_heads,
+                n_kv_heads=cfg.n_kv_heads,
+                head_dim=cfg.head_dim,
+                wqkv_param_init=_linear_init(std),
+                wo_param_init=_linear_init(out_std),
+                inner_attention=inner,
+                fuse_qkv=False,  # the names Llama3StateDictAdapter maps
+                rope=rope,
+            ),
+            feed_forward=make_ffn_config(
+                dim=cfg.dim,
+                hidden_dim=cfg.dense_hidden_dim,
+                w1_param_init=_linear_init(std),
+                w2w3_param_init=_linear_init(out_std),
+            ),
+        )
+        for _ in range(cfg.n_layers)
+    ]
+    return Llama3Model.Config(
+        vocab_size=cfg.vocab_size,
+        dim=cfg.dim,
+        norm=_norm(cfg.dim, cfg.norm_eps),
+        enable_weight_tying=cfg.tie_embeddings,
+        tok_embeddings=Embedding.Config(
+            num_embeddings=cfg.vocab_size,
+            embedding_dim=cfg.dim,
+            param_init={"weight": (lambda _t: None) if cfg.tie_embeddings else _normal(std)},
+        ),
+        lm_head=Linear.Config(in_features=cfg.dim, out_features=cfg.vocab_size, param_init=_linear_init(std)),
+        layers=layers,
+    )
+
+
+def state_dict_adapter(cfg: ModelConfig) -> Qwen3StateDictAdapter | Llama3StateDictAdapter:
+    """torchtitan's adapter between the family's canonical names and Hugging Face's."""
+    if cfg.family == "llama":
+        return Llama3StateDictAdapter(to_titan_config(cfg), None)
+    return Qwen3StateDictAdapter(to_titan_config(cfg), None)
+
+
+def to_titan_config(cfg: ModelConfig) -> Qwen3Model.Config | Llama3Model.Config:
+    """Translate a jetrl config into its family's torchtitan config (nothing is built)."""
+    if cfg.family == "llama":
+        return _llama_titan_config(cfg)
     std = cfg.init_std
     # Residual-branch outputs get depth-scaled init, as in Qwen3/Megatron practice.
     out_std = std / math.sqrt(2 * cfg.n_layers)
@@ -411,7 +521,7 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     parallelism: Any = None,
-) -> Qwen3Model:
+) -> Qwen3Model | Llama3Model:
     """Build and initialise a model. ``seed`` makes the init reproducible without touching the
     global RNG stream; ``seed=None`` draws from it. ``parallelism``: torchtitan's
     ``ParallelismConfig`` of a parallel trainer, from which torchtitan fills each module's

@@ -50,7 +50,7 @@ KERNEL_STUB_INSTALLED = _install_kernel_stub()
 # bf16/fp16, warns, and runs the gate in the input dtype, which is what we want.
 warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported")
 
-from torchtitan.models.common import CosSinRoPE, Embedding, Linear  # noqa: E402
+from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear  # noqa: E402
 from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
 from torchtitan.models.common.config_utils import (  # noqa: E402
     get_attention_config,
@@ -62,6 +62,18 @@ from torchtitan.models.common.config_utils import (  # noqa: E402
 )
 from torchtitan.models.common.moe import GroupedExperts, MoE, TokenChoiceTopKRouter  # noqa: E402
 from torchtitan.models.common.nn_modules import RMSNorm  # noqa: E402
+from torchtitan.models.common.rope import (  # noqa: E402
+    _maybe_check_max_pos as rope_check_positions,
+)
+from torchtitan.models.common.rope import (  # noqa: E402
+    _maybe_wrap_positions as rope_wrap_positions,
+)
+from torchtitan.models.common.rope import (  # noqa: E402
+    _reshape_for_broadcast as rope_broadcast,
+)
+from torchtitan.models.llama3 import Llama3Model  # noqa: E402
+from torchtitan.models.llama3.model import Llama3TransformerBlock  # noqa: E402
+from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter  # noqa: E402
 from torchtitan.models.qwen3 import Qwen3Model, qwen3_configs  # noqa: E402
 from torchtitan.models.qwen3.model import Qwen3TransformerBlock  # noqa: E402
 from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter  # noqa: E402
@@ -69,10 +81,14 @@ from torchtitan.protocols.module import Module  # noqa: E402
 
 __all__ = [
     "KERNEL_STUB_INSTALLED",
+    "ComplexRoPE",
     "CosSinRoPE",
     "Embedding",
     "GroupedExperts",
     "Linear",
+    "Llama3Model",
+    "Llama3StateDictAdapter",
+    "Llama3TransformerBlock",
     "MoE",
     "Module",
     "Qwen3Model",
@@ -88,4 +104,7 @@ __all__ = [
     "make_routed_experts_config",
     "make_router_config",
     "qwen3_configs",
+    "rope_broadcast",
+    "rope_check_positions",
+    "rope_wrap_positions",
 ]

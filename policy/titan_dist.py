@@ -22,6 +22,7 @@ from torchtitan.distributed import parallel_dims as _parallel_dims
 from torchtitan.distributed import utils as _dist_utils
 from torchtitan.distributed.context_parallel import apply_cp_to_forward, cp_shard
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.models.llama3.parallelize import parallelize_llama
 from torchtitan.models.qwen3.parallelize import parallelize_qwen3
 
 clip_grad_norm_ = _dist_utils.clip_grad_norm_
@@ -47,5 +48,6 @@ __all__ = [
     "clip_grad_norm_",
     "configure",
     "cp_shard",
+    "parallelize_llama",
     "parallelize_qwen3",
 ]

@@ -213,22 +213,18 @@ def load_into(model: nn.Module, tensors: Tensors, *, strict: bool = True) -> Non
 
 
 def to_hf(weights: nn.Module | Tensors, model_cfg: Any) -> dict[str, torch.Tensor]:
-    """Hugging Face Qwen3/Qwen3-MoE names and per-expert tensors, via torchtitan's
-    ``Qwen3StateDictAdapter``. ``model_cfg`` is a :class:`~jetrl.policy.models.ModelConfig`."""
-    from jetrl.policy.models import to_titan_config
-    from jetrl.policy.titan import Qwen3StateDictAdapter
+    """Hugging Face names (per-expert tensors for an MoE), via the family's torchtitan state-dict
+    adapter. ``model_cfg`` is a :class:`~jetrl.policy.models.ModelConfig`."""
+    from jetrl.policy.models import state_dict_adapter
 
-    adapter = Qwen3StateDictAdapter(to_titan_config(model_cfg), None)
-    hf: dict[str, torch.Tensor] = adapter.to_hf(state_dict_of(weights))
+    hf: dict[str, torch.Tensor] = state_dict_adapter(model_cfg).to_hf(state_dict_of(weights))
     return hf
 
 
 def from_hf(hf_tensors: Tensors, model_cfg: Any) -> dict[str, torch.Tensor]:
-    from jetrl.policy.models import to_titan_config
-    from jetrl.policy.titan import Qwen3StateDictAdapter
+    from jetrl.policy.models import state_dict_adapter
 
-    adapter = Qwen3StateDictAdapter(to_titan_config(model_cfg), None)
-    titan: dict[str, torch.Tensor] = adapter.from_hf(dict(hf_tensors))
+    titan: dict[str, torch.Tensor] = state_dict_adapter(model_cfg).from_hf(dict(hf_tensors))
     return titan
 
 

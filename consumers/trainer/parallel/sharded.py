@@ -1,6 +1,6 @@
 """One rank's share of the policy: jetrl's torchtitan model, parallelised by torchtitan's own
-``parallelize_qwen3`` (FSDP2 ``fully_shard``, expert parallelism through its all-to-all token
-dispatcher), its AdamW, and the collective operations every rank runs together.
+``parallelize_qwen3`` or ``parallelize_llama`` (FSDP2 ``fully_shard``, expert parallelism
+through its all-to-all token dispatcher), its AdamW, and the collective operations every rank runs together.
 
 Every method is collective: all ranks call it in the same order; inputs and results live on
 rank 0 (``None`` elsewhere). Why the maths equals the single-process step's:
@@ -36,16 +36,16 @@ from jetrl.consumers.trainer.parallel.group import RankGroup
 from jetrl.consumers.trainer.parallel.split import split_by_tokens
 from jetrl.consumers.trainer.settings import TrainerPart
 from jetrl.policy.loss import LossConfig
-from jetrl.policy.models import build_model, to_titan_config
+from jetrl.policy.models import build_model, state_dict_adapter
 from jetrl.policy.origin import initial_model, model_config_of
 from jetrl.policy.packing import PackedLayout, collate_for
-from jetrl.policy.titan import Qwen3StateDictAdapter
 from jetrl.policy.titan_dist import (
     SPMD_BACKEND,
     CompileConfig,
     ParallelismConfig,
     TrainingConfig,
     clip_grad_norm_,
+    parallelize_llama,
     parallelize_qwen3,
 )
 from jetrl.policy.train import (
@@ -91,7 +91,8 @@ class ShardedPolicy:
         # its shards of rank 0's weights, so no other rank ever holds the whole model.
         source = initial_model(part.model, seed=part.seed, parallelism=titan_par) if group.rank == 0 else None
         model = build_model(self.mcfg, seed=None, device="meta", parallelism=titan_par)
-        parallelize_qwen3(
+        parallelize = parallelize_llama if self.mcfg.family == "llama" else parallelize_qwen3
+        parallelize(
             model,
             parallel_dims=group.dims,
             training=TrainingConfig(mixed_precision_param="float32", mixed_precision_reduce="float32"),
@@ -124,7 +125,7 @@ class ShardedPolicy:
         self.last_token_stats: list[torch.Tensor] | None = None
         # Names and per-expert tensors of Hugging Face's layout, one tensor at a time (a meta
         # tensor too, to lay out the bytes before gathering).
-        self._to_hf = Qwen3StateDictAdapter(to_titan_config(self.mcfg), None).to_hf
+        self._to_hf = state_dict_adapter(self.mcfg).to_hf
 
     # ------------------------------------------------------------------ rollouts over ranks
 
