@@ -362,6 +362,25 @@ def _norm(dim: int, eps: float) -> RMSNorm.Config:
     return RMSNorm.Config(normalized_shape=dim, eps=eps, param_init={"weight": nn.init.ones_})
 
 
+def _decoder_parts(cfg: ModelConfig) -> dict[str, Any]:
+    """What every family's torchtitan decoder config takes besides its layers."""
+    return {
+        "vocab_size": cfg.vocab_size,
+        "dim": cfg.dim,
+        "norm": _norm(cfg.dim, cfg.norm_eps),
+        "enable_weight_tying": cfg.tie_embeddings,
+        "tok_embeddings": Embedding.Config(
+            num_embeddings=cfg.vocab_size,
+            embedding_dim=cfg.dim,
+            # A tied embedding is initialised through lm_head.
+            param_init={"weight": (lambda _t: None) if cfg.tie_embeddings else _normal(cfg.init_std)},
+        ),
+        "lm_head": Linear.Config(
+            in_features=cfg.dim, out_features=cfg.vocab_size, param_init=_linear_init(cfg.init_std)
+        ),
+    }
+
+
 def _llama_titan_config(cfg: ModelConfig) -> Llama3Model.Config:
     std = cfg.init_std
     out_std = std / math.sqrt(2 * cfg.n_layers)
@@ -401,19 +420,7 @@ def _llama_titan_config(cfg: ModelConfig) -> Llama3Model.Config:
         )
         for _ in range(cfg.n_layers)
     ]
-    return Llama3Model.Config(
-        vocab_size=cfg.vocab_size,
-        dim=cfg.dim,
-        norm=_norm(cfg.dim, cfg.norm_eps),
-        enable_weight_tying=cfg.tie_embeddings,
-        tok_embeddings=Embedding.Config(
-            num_embeddings=cfg.vocab_size,
-            embedding_dim=cfg.dim,
-            param_init={"weight": (lambda _t: None) if cfg.tie_embeddings else _normal(std)},
-        ),
-        lm_head=Linear.Config(in_features=cfg.dim, out_features=cfg.vocab_size, param_init=_linear_init(std)),
-        layers=layers,
-    )
+    return Llama3Model.Config(**_decoder_parts(cfg), layers=layers)
 
 
 def state_dict_adapter(cfg: ModelConfig) -> Qwen3StateDictAdapter | Llama3StateDictAdapter:
@@ -498,20 +505,7 @@ def to_titan_config(cfg: ModelConfig) -> Qwen3Model.Config | Llama3Model.Config:
                 feed_forward=ffn,
             )
         )
-    return Qwen3Model.Config(
-        vocab_size=cfg.vocab_size,
-        dim=cfg.dim,
-        norm=_norm(cfg.dim, cfg.norm_eps),
-        enable_weight_tying=cfg.tie_embeddings,
-        tok_embeddings=Embedding.Config(
-            num_embeddings=cfg.vocab_size,
-            embedding_dim=cfg.dim,
-            # A tied embedding is initialised through lm_head.
-            param_init={"weight": (lambda _t: None) if cfg.tie_embeddings else _normal(std)},
-        ),
-        lm_head=Linear.Config(in_features=cfg.dim, out_features=cfg.vocab_size, param_init=_linear_init(std)),
-        layers=layers,
-    )
+    return Qwen3Model.Config(**_decoder_parts(cfg), layers=layers)
 
 
 def build_model(

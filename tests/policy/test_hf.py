@@ -1,7 +1,7 @@
 """Hugging Face checkpoints in and out, against transformers' own implementation.
 
 Tiny random Qwen3 and Qwen3-MoE checkpoints and a byte-level BPE tokenizer are made on the spot
-(tests/support/hf_assets.py); transformers' forward on the same files is the reference."""
+(`jetrl make-hf-tiny`, deploy/tiny_hf_cmd.py); transformers' forward on the same files is the reference."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from jetrl.policy.origin import initial_model
 from jetrl.policy.routing import capture_routing, replay_routing
 from jetrl.policy.settings import ModelSettings
 from jetrl.policy.weights import checksum, state_dict_of
+from tests.support.forwards import hf_logits, random_tokens
 
 transformers = pytest.importorskip("transformers")
 
@@ -37,14 +38,7 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _tokens(seed: int, shape: tuple[int, int] = (3, 19)) -> torch.Tensor:
-    return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
-
-
-def _hf_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
-    ref = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    with torch.no_grad():
-        out: torch.Tensor = ref(ids).logits
-    return out
+    return random_tokens(seed, shape, VOCAB)
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
@@ -53,7 +47,7 @@ def test_logits_equal_transformers(ckpts: dict[str, Path], kind: str) -> None:
     ids = _tokens(0)
     with torch.no_grad():
         ours = model(ids)
-    ref = _hf_logits(ckpts[kind], ids)
+    ref = hf_logits(ckpts[kind], ids)
     assert ours.shape == ref.shape == (3, 19, VOCAB)
     assert ref.abs().max() > 0.1  # a model that says something
     assert (ours - ref).abs().max().item() <= TOL
@@ -73,7 +67,7 @@ def test_unnormalised_top_k_routes_as_transformers(tmp_path: Path) -> None:
     model = initial_model(ModelSettings(hf_path=str(path), tokenizer="char"))
     ids = _tokens(1)
     with torch.no_grad():
-        assert (model(ids) - _hf_logits(path, ids)).abs().max().item() <= TOL
+        assert (model(ids) - hf_logits(path, ids)).abs().max().item() <= TOL
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
@@ -92,7 +86,7 @@ def test_export_loads_in_transformers_with_the_same_logits(
     ids = _tokens(2)
     with torch.no_grad():
         ours = model(ids)
-    assert (ours - _hf_logits(out, ids)).abs().max().item() <= TOL
+    assert (ours - hf_logits(out, ids)).abs().max().item() <= TOL
     tok = transformers.AutoTokenizer.from_pretrained(str(out), local_files_only=True)
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
 
@@ -117,7 +111,7 @@ def test_export_without_a_source_makes_a_config_transformers_reads(tmp_path: Pat
     assert (out / "model.safetensors.index.json").is_file()  # sharded
     ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        assert (model(ids) - _hf_logits(out, ids)).abs().max().item() <= TOL
+        assert (model(ids) - hf_logits(out, ids)).abs().max().item() <= TOL
     assert checksum(load_state(out, read_config(out))) == checksum(state_dict_of(model))
 
 
@@ -127,7 +121,7 @@ def test_sharded_checkpoints_load(tmp_path: Path) -> None:
     model = initial_model(ModelSettings(hf_path=str(path)))
     ids = _tokens(3)
     with torch.no_grad():
-        assert (model(ids) - _hf_logits(path, ids)).abs().max().item() <= TOL
+        assert (model(ids) - hf_logits(path, ids)).abs().max().item() <= TOL
 
 
 def test_router_capture_and_replay_on_an_hf_moe(ckpts: dict[str, Path]) -> None:

@@ -17,10 +17,11 @@ import torch
 
 from jetrl.deploy.tiny_hf_cmd import VOCAB, make_checkpoint
 from jetrl.policy.hf import CheckpointError, check_checkpoint, read_config, save_checkpoint
-from jetrl.policy.models import KVCache, PackedMask, build_model, get_config
+from jetrl.policy.models import PackedMask, build_model, get_config
 from jetrl.policy.origin import initial_model
 from jetrl.policy.settings import ModelSettings
 from jetrl.policy.weights import checksum, state_dict_of
+from tests.support.forwards import cached_logits, hf_logits, random_tokens
 
 transformers = pytest.importorskip("transformers")
 
@@ -37,14 +38,7 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _tokens(seed: int, shape: tuple[int, int] = (3, 23)) -> torch.Tensor:
-    return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
-
-
-def _hf_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
-    ref = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    with torch.no_grad():
-        out: torch.Tensor = ref(ids).logits
-    return out
+    return random_tokens(seed, shape, VOCAB)
 
 
 def _ours(path: Path, ids: torch.Tensor) -> torch.Tensor:
@@ -59,7 +53,7 @@ def test_logits_equal_transformers(ckpts: dict[str, Path], kind: str) -> None:
     cfg = check_checkpoint(ckpts[kind])
     assert cfg.family == "llama" and cfg.tie_embeddings == (kind == "tied") and not cfg.is_moe
     ids = _tokens(0)
-    ours, ref = _ours(ckpts[kind], ids), _hf_logits(ckpts[kind], ids)
+    ours, ref = _ours(ckpts[kind], ids), hf_logits(ckpts[kind], ids)
     assert ref.abs().max() > 0.1  # a model that says something
     assert (ours - ref).abs().max().item() <= TOL
 
@@ -85,7 +79,7 @@ def test_llama3_rope_scaling_equals_transformers(ckpts: dict[str, Path], tmp_pat
     path = _with_config(ckpts["untied"], tmp_path / "scaled", rope_scaling=scaling, rope_theta=10_000.0)
     assert read_config(path).llama_rope_scaling == (8.0, 1.0, 4.0, 16)
     ids = _tokens(1, (2, 60))  # past the original 16 positions, where the scaling shows
-    ours, ref = _ours(path, ids), _hf_logits(path, ids)
+    ours, ref = _ours(path, ids), hf_logits(path, ids)
     assert (ours - ref).abs().max().item() <= TOL
     plain = _ours(ckpts["untied"], ids)
     assert (plain - ref).abs().max().item() > 100 * TOL  # the scaling changed something
@@ -107,7 +101,7 @@ def test_export_loads_in_transformers_with_the_same_logits(
         out = save_checkpoint(tmp_path / f"out-{source is None}", state_dict_of(model), cfg, source=source)
         made = json.loads((out / "config.json").read_text())
         assert made["architectures"] == ["LlamaForCausalLM"]
-        assert (_hf_logits(out, ids) - ours).abs().max().item() <= TOL
+        assert (hf_logits(out, ids) - ours).abs().max().item() <= TOL
         again = initial_model(ModelSettings(hf_path=str(out))) if source is not None else None
         if again is not None:
             assert checksum(again) == checksum(model)  # Q/K permuted there and back exactly
@@ -119,13 +113,7 @@ def test_kv_cache_and_packed_rows_equal_the_plain_forward() -> None:
     x = torch.randint(0, cfg.vocab_size, (2, 10), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         full = model(x)
-        cache = KVCache()
-        cache.begin(torch.ones(2, 6, dtype=torch.bool))
-        parts = [model(x[:, :6], torch.arange(6).expand(2, 6), cache)]
-        for i in range(6, 10):
-            cache.begin(torch.ones(2, 1, dtype=torch.bool))
-            parts.append(model(x[:, i : i + 1], torch.full((2, 1), i), cache))
-        torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cached_logits(model, x, 6), full, rtol=1e-5, atol=1e-5)
         # Both rows packed into one, each at its own positions and seeing only itself.
         packed = model(
             x.reshape(1, 20),

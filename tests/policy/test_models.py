@@ -7,13 +7,13 @@ from jetrl.policy.models import (
     CONFIGS,
     CachedSDPA,
     ExpertsInWeightDtype,
-    KVCache,
     build_model,
     get_config,
     moe_routers,
     to_titan_config,
 )
 from jetrl.policy.titan import GroupedExperts, TokenChoiceTopKRouter, qwen3_configs
+from tests.support.forwards import cached_logits
 
 
 def test_tiny_moe_is_torchtitan_qwen3(model, cfg):
@@ -50,13 +50,7 @@ def test_kv_cache_matches_full_forward(model, cfg):
     x = torch.randint(0, cfg.vocab_size, (2, 10))
     with torch.no_grad():
         full = model(x)
-        cache = KVCache()
-        cache.begin(torch.ones(2, 6, dtype=torch.bool))
-        parts = [model(x[:, :6], torch.arange(6).expand(2, 6), cache)]
-        for i in range(6, 10):
-            cache.begin(torch.ones(2, 1, dtype=torch.bool))
-            parts.append(model(x[:, i : i + 1], torch.full((2, 1), i), cache))
-    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cached_logits(model, x, 6), full, rtol=1e-5, atol=1e-5)
 
 
 def test_cached_sdpa_rejects_foreign_masks(model, cfg):
