@@ -42,7 +42,13 @@ from jetrl.bus.identity import VIOLATION, Credentials, PermissionDenied, connect
 from jetrl.bus.log import get_logger
 from jetrl.bus.pull import PullChannel
 from jetrl.bus.retry import RETRY_S, RETRYABLE, retrying
-from jetrl.bus.streams import StreamLimits, ensure_payload_bucket, ensure_run_stream, stream_name
+from jetrl.bus.streams import (
+    StreamLimits,
+    ensure_payload_bucket,
+    ensure_run_stream,
+    stored_message,
+    stream_name,
+)
 
 log = get_logger(__name__)
 
@@ -297,7 +303,7 @@ class Bus:
             return ack  # only this identity can make its ids: a duplicate is its own retry
         base = headers[ev.HEADER_MSG_ID]
         for k in range(1, 9):
-            stored = await self.js.get_msg(ack.stream, ack.seq, direct=True)
+            stored = await stored_message(self.js, ack.stream, ack.seq)
             if stored.subject == subject:
                 return ack
             log.warning("message_id_taken", subject=subject, event_id=base, by_subject=stored.subject)

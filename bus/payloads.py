@@ -33,7 +33,7 @@ from jetrl.bus import events as ev
 from jetrl.bus.log import get_logger
 from jetrl.bus.retry import retrying
 from jetrl.bus.settings import MooncakeSettings
-from jetrl.bus.streams import payload_bucket, stream_name
+from jetrl.bus.streams import payload_bucket, stored_message, stream_name
 
 log = get_logger(__name__)
 
@@ -261,8 +261,8 @@ def _atomic_write(path: Path, data: Buffer) -> None:
 
 
 class LogArrays:
-    """Arrays referred to by their place in the run's log (direct gets by stream sequence,
-    each event read once while it is among the most recent ``cache_events``)."""
+    """Arrays referred to by their place in the run's log (gets by stream sequence, direct
+    first; each event read once while it is among the most recent ``cache_events``)."""
 
     def __init__(self, js: nats.js.JetStreamContext, run_id: str, *, cache_events: int = 8192) -> None:
         self.js = js
@@ -277,7 +277,7 @@ class LogArrays:
             if not 1 <= seq < 2**63:  # the server refuses such a request (it is no sequence)
                 raise PayloadMissing(f"{seq} is not a sequence of {self.stream}")
             try:
-                msg = await self.js.get_msg(self.stream, seq=seq, direct=True)
+                msg = await stored_message(self.js, self.stream, seq)
             except nats.js.errors.NotFoundError:
                 raise PayloadMissing(f"{self.stream} has no message at sequence {seq}") from None
             except nats.js.errors.BadRequestError as exc:

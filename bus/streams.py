@@ -78,6 +78,17 @@ def stream_name(run_id: str) -> str:
     return f"JETRL_{subjects.check_token(run_id, 'run id')}"
 
 
+async def stored_message(js: JetStreamContext, stream: str, seq: int) -> api.RawStreamMsg:
+    """The message at ``seq`` of ``stream``. A direct get may be answered by any replica, and a
+    replica that is catching up (a restarted node of a cluster) has not yet stored what the
+    leader acknowledged: its "no message" is asked again of the leader, whose answer is final
+    (it raises ``NotFoundError`` when the stream holds no such message)."""
+    try:
+        return await js.get_msg(stream, seq=seq, direct=True)
+    except nats.js.errors.NotFoundError:
+        return await js.get_msg(stream, seq=seq)
+
+
 def payload_bucket(run_id: str) -> str:
     return f"jetrl_{subjects.check_token(run_id, 'run id')}_payloads"
 
