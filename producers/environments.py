@@ -191,6 +191,7 @@ LAZY_ENVIRONMENTS: dict[str, str] = {
     "verifiers": "jetrl.producers.verifiers_env:VerifiersEnv",
     "arithmetic": "jetrl.producers.arithmetic:ArithmeticEnv",
     "calculator": "jetrl.producers.tool_env:CalculatorToolEnv",
+    "parity": "jetrl.producers.parity:ParityEnv",
 }
 
 
