@@ -1,4 +1,4 @@
-"""`jetrl run configs/smollm2-arithmetic.toml` on the real SmolLM2-135M-Instruct (`make
+"""`jetrl run configs/smollm2-parity.toml` on the real SmolLM2-135M-Instruct (`make
 smollm2`): its own tokenizer and chat template write the prompts, the trainer and the inference
 worker load the imported checkpoint, the held-out split is evaluated at version 0 (the pretrained
 baseline), and the last version exports to a checkpoint transformers loads with jetrl's logits.
@@ -37,7 +37,7 @@ async def test_a_short_run_on_smollm2(nats_server: EmbeddedServer, tmp_path: Pat
     ckpt = smollm2_dir()
     tok = HFTokenizer(ckpt)
     cfg = load_config(
-        ROOT / "configs" / "smollm2-arithmetic.toml",
+        ROOT / "configs" / "smollm2-parity.toml",
         [
             f"--model.hf_path={ckpt}",
             f"--trainer.max_steps={STEPS}",
@@ -46,7 +46,7 @@ async def test_a_short_run_on_smollm2(nats_server: EmbeddedServer, tmp_path: Pat
             "--envs.0.eval_every=100",  # version 0 only: the pretrained baseline
             "--envs.0.eval_tasks=4",
             "--envs.0.eval_samples=1",
-            "--envs.0.params.max_tokens=16",
+            "--envs.0.group_size=4",
         ],
     )
     run_id = "smol1"
