@@ -10,12 +10,13 @@ STAMP := $(VENV)/.jetrl-installed
 # The environments install side by side (each recipe's own lines still run in order).
 MAKEFLAGS += --jobs=3
 
-# browser first: it and the Mooncake line below may both run apt-get, which takes one lock.
-$(STAMP): pyproject.toml | browser
+# apt-get takes one lock: the targets that run it (here and `browser`) side by side wait their turn.
+APT_GET := flock /tmp/jetrl-apt.lock apt-get
+$(STAMP): pyproject.toml
 	@# Mooncake's transfer engine links libibverbs (even over TCP); only root can install it.
 	@if [ -e /usr/lib/x86_64-linux-gnu/libibverbs.so.1 ] || ldconfig -p | grep -q libibverbs.so.1; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null; \
+		$(APT_GET) update -qq && DEBIAN_FRONTEND=noninteractive $(APT_GET) install -y -qq libibverbs1 >/dev/null; \
 	else echo "libibverbs1 not installed (not root): the Mooncake payload store will not load"; fi
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
@@ -46,7 +47,7 @@ vllm-venv: $(VLLM_STAMP)
 browser:
 	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
+		$(APT_GET) update -qq && DEBIAN_FRONTEND=noninteractive $(APT_GET) install -y -qq chromium chromium-driver >/dev/null; \
 	else echo "chromium not installed (not root): the browser test will skip"; fi
 
 # A real pretrained model for the tests and configs/smollm2-*.toml: SmolLM2-135M-Instruct, a

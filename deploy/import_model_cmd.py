@@ -22,7 +22,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"import-model: {e}")
         return 2
     cfg = read_config(out)
-    again = before is not None and not args.force and imported_from(out) == before
+    again = before is not None and not args.force  # else import_gguf refused, or converted
     what = "already holds" if again else f"wrote in {time.monotonic() - t0:.1f} s"
     print(
         f"{out} {what} {Path(args.file).name}: {cfg.family}, {cfg.n_layers} layers, dim {cfg.dim}, "

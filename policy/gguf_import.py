@@ -11,7 +11,6 @@ file a no-op: the conversion is done once and cached.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -19,6 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from jetrl.bus.payloads import sha256
 from jetrl.policy.hf import CheckpointError, check_checkpoint
 
 MARKER = "jetrl-import.json"
@@ -28,16 +28,9 @@ class GGUFImportError(CheckpointError):
     """A GGUF file that cannot become a checkpoint; the message says why."""
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def source_identity(gguf: Path) -> dict[str, Any]:
-    return {"source": gguf.name, "bytes": gguf.stat().st_size, "sha256": _sha256(gguf)}
+    data = gguf.read_bytes()
+    return {"source": gguf.name, "bytes": len(data), "sha256": sha256(data)}
 
 
 def imported_from(directory: Path) -> dict[str, Any] | None:

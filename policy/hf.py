@@ -295,12 +295,12 @@ def load_state(path: str | os.PathLike[str], cfg: ModelConfig) -> dict[str, torc
 
 
 def _made_config(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
-    arch = {"llama": "LlamaForCausalLM"}.get(
-        cfg.family, "Qwen3MoeForCausalLM" if cfg.is_moe else "Qwen3ForCausalLM"
-    )
+    # ARCHITECTURES' values are transformers' model_type names.
+    model_type = "qwen3_moe" if cfg.is_moe else cfg.family
+    arch = next(a for a, t in ARCHITECTURES.items() if t == model_type)
     out: dict[str, Any] = {
         "architectures": [arch],
-        "model_type": {"LlamaForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3_moe"}.get(arch, "qwen3"),
+        "model_type": model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.dim,
         "num_hidden_layers": cfg.n_layers,

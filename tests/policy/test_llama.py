@@ -17,7 +17,7 @@ import torch
 
 from jetrl.deploy.tiny_hf_cmd import VOCAB, make_checkpoint
 from jetrl.policy.hf import CheckpointError, check_checkpoint, read_config, save_checkpoint
-from jetrl.policy.models import PackedMask, build_model, get_config
+from jetrl.policy.models import PackedMask, RealPairRoPE, build_model, get_config
 from jetrl.policy.origin import initial_model
 from jetrl.policy.settings import ModelSettings
 from jetrl.policy.weights import checksum, state_dict_of
@@ -131,7 +131,12 @@ def test_a_cast_model_keeps_its_rope_table(ckpts: dict[str, Path]) -> None:
     with torch.no_grad():
         ref = model(ids)
         half = model.to(torch.bfloat16)(ids).float()
-    assert all(not b.is_complex() for b in model.buffers())
+    ropes = [m for m in model.modules() if isinstance(m, RealPairRoPE)]
+    assert len(ropes) == read_config(ckpts["untied"]).n_layers
+    for rope in ropes:
+        table = rope.cache.float()  # (cos, sin) pairs: each of magnitude 1, sines not dropped
+        assert table.shape[-1] == 2 and table[..., 1].abs().max() > 0.5
+        torch.testing.assert_close(table.norm(dim=-1), torch.ones(table.shape[:-1]), atol=1e-2, rtol=0)
     assert (half - ref).abs().max().item() < 0.1
     assert (half.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.9
 
