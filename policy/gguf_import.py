@@ -11,6 +11,7 @@ file a no-op: the conversion is done once and cached.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -18,7 +19,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from jetrl.bus.payloads import sha256
 from jetrl.policy.hf import CheckpointError, check_checkpoint
 
 MARKER = "jetrl-import.json"
@@ -30,7 +30,7 @@ class GGUFImportError(CheckpointError):
 
 def source_identity(gguf: Path) -> dict[str, Any]:
     data = gguf.read_bytes()
-    return {"source": gguf.name, "bytes": len(data), "sha256": sha256(data)}
+    return {"source": gguf.name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 def imported_from(directory: Path) -> dict[str, Any] | None:
