@@ -19,7 +19,7 @@ from jetrl.bus.streams import StreamLimits
 TEST_LIMITS = StreamLimits(max_bytes=256 * 1024**2, payload_max_bytes=1024**3)
 POSTGRES_ENV = "JETRL_TEST_POSTGRES_URL"
 # Modules that start vLLM servers: each checks that no vLLM process but its own is alive.
-VLLM_MODULES = ("test_vllm_engine.py", "test_run_vllm.py")
+VLLM_MODULES = ("test_vllm_engine.py", "test_run_vllm.py", "test_run_smollm2.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -8,7 +8,10 @@ Hugging Face layout (as jetrl's trainer publishes with ``weights_layout = "hf"``
 own in-place reload, which re-runs each layer's weight processing. vLLM builds a fused-MoE
 layer's expert kernel once, though, and on CPU that kernel keeps its own prepacked copy of the
 expert weights: after a reload it would go on computing with the old experts, so each one is
-packed again from the new weights.
+packed again from the new weights. A tied output head (SmolLM2, the small Qwen3s) is the same:
+it shares the embedding's parameter, so the reload, which skips the head's own name, never
+re-runs its processing, and on CPU its prepacked GEMM copy would keep the first version's head
+(logprobs off by 1e-3 and more after one step, found by tests/system/test_run_smollm2.py).
 """
 
 from __future__ import annotations
@@ -24,11 +27,31 @@ class WorkerExtension:
 
         tensors = load_file(path)
         self.model_runner.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
-        for module in self.model_runner.get_model().modules():
+        model = self.model_runner.get_model()
+        for module in model.modules():
             kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
             if kernel is not None:
                 kernel.fused_experts.process_weights_after_loading(module)
+        for module in _sharing_a_weight(model):
+            module.quant_method.process_weights_after_loading(module)
         return len(tensors)
+
+
+def _sharing_a_weight(model: Any) -> list[Any]:
+    """Modules whose ``weight`` is another module's too (a tied head and its embedding) and
+    that process it after loading."""
+    holders: dict[int, list[Any]] = {}
+    for module in model.modules():
+        weight = module.__dict__.get("_parameters", {}).get("weight")
+        if weight is not None:
+            holders.setdefault(id(weight), []).append(module)
+    return [
+        m
+        for ms in holders.values()
+        if len(ms) > 1
+        for m in ms
+        if getattr(m, "quant_method", None) is not None
+    ]
 
 
 class _RouteLog:
