@@ -6,10 +6,12 @@ the question as one user message through the tokenizer's chat template: the prom
 ``tok.encode(tok.render_chat([{"role": "user", "content": question}]), bos=False)``.
 
 Styles (``style=``): ``words`` (the default: a sentence for a real tokenizer, with an
-instruction to end on ``Answer: N``), ``plain`` (short lowercase problems, ``"ann has 12
-apples, buys 7. total?"``) and ``symbols`` (``"12+7="``); the last two are written in the
-character tokenizer's alphabet. An environment whose tokenizer cannot write its prompts is
-refused when it is built (every template, name and object is encoded once).
+instruction to end on ``Answer: N``), ``terse`` (``"Compute 12 + 7. Reply with only the
+number."``: for a small pretrained chat model, which explains at length when let), ``plain``
+(short lowercase problems, ``"ann has 12 apples, buys 7. total?"``) and ``symbols``
+(``"12+7="``); the last two are written in the character tokenizer's alphabet. An
+environment whose tokenizer cannot write its prompts is refused when it is built (every
+template, name and object is encoded once).
 
 The final answer (:func:`parse_answer`), the first rule that finds a number wins:
 
@@ -45,7 +47,7 @@ from jetrl.producers.environments import Environment, Score, Task
 
 EVAL_BUCKETS = 10  # one fact in ten is held out
 EVAL_SEED = 0x5EED_E7A1
-STYLES = ("words", "plain", "symbols")
+STYLES = ("words", "terse", "plain", "symbols")
 OPS = "+-*"
 MAX_DRAWS = 1000  # rejection sampling gives up here: the ranges hold (almost) no such fact
 
@@ -69,6 +71,7 @@ TEMPLATES: dict[str, dict[str, tuple[str, ...]]] = {
             "A shelf has {a} rows of {b} {i}. How many {i} are on the shelf?",
         ),
     },
+    "terse": {"+": ("Compute {a} + {b}.",), "-": ("Compute {a} - {b}.",), "*": ("Compute {a} * {b}.",)},
     "plain": {
         "+": ("{n} has {a} {i}, buys {b}. total?", "{a} {i} in a box, {n} adds {b}. how many?"),
         "-": ("{n} has {a} {i}, gives away {b}. left?", "{a} {i}, {n} takes {b}. left?"),
@@ -78,10 +81,11 @@ TEMPLATES: dict[str, dict[str, tuple[str, ...]]] = {
 }
 INSTRUCTION = {
     "words": "Solve it and end with 'Answer: N', where N is the number.",
+    "terse": "Reply with only the number.",
     "plain": "",
     "symbols": "",
 }
-DEFAULT_MAX_TOKENS = {"words": 256, "plain": 8, "symbols": 8}
+DEFAULT_MAX_TOKENS = {"words": 256, "terse": 10, "plain": 8, "symbols": 8}
 _APPLY: dict[str, Callable[[int, int], int]] = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 
 
@@ -153,7 +157,7 @@ class ProblemGenerator:
         out = [
             t.format(n=names[0], i=ITEMS[0], a=12, b=7) for ts in TEMPLATES[self.style].values() for t in ts
         ]
-        if self.style != "symbols":
+        if self.style in ("words", "plain"):
             out.append(" ".join([*names, *ITEMS]))
         return out
 

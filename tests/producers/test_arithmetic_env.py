@@ -125,6 +125,22 @@ def test_words_prompts_go_through_the_chat_template() -> None:
     assert env.score(t.info, reply(f"Answer: {t.info['answer'] + 1}", tok)).reward == 0.0
 
 
+def test_terse_prompts_ask_for_the_number_alone() -> None:
+    tok = bpe()
+    env = ArithmeticEnv(tok, style="terse", ops="+-*", max_value=20)
+    rng = random.Random(3)
+    for t in (env.make_task(rng) for _ in range(30)):
+        a, op, b = _split_fact(t.info["fact"])
+        question = t.prompt_text.split("<|im_start|>user\n")[1].split("<|im_end|>")[0]
+        assert question in (
+            f"Compute {a} {op} {b}. Reply with only the number.",
+            f"Compute {b} {op} {a}. Reply with only the number.",
+        )
+        assert t.max_tokens == 10
+        assert env.score(t.info, reply(f"{a} {op} {b} = {t.info['answer']}", tok)).reward == 1.0
+        assert env.score(t.info, reply(str(t.info["answer"] + 1), tok)).reward == 0.0
+
+
 def test_a_tokenizer_that_cannot_write_the_prompts_is_refused_at_once() -> None:
     with pytest.raises(ValueError, match=r"cannot write the 'words' prompts.*style='plain'"):
         ArithmeticEnv(CHAR)
