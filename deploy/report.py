@@ -124,7 +124,18 @@ class RunReport:
         return out
 
     def plot(self, path: Path, title: str) -> Path:
-        """The reward per step, its running mean and the shown parts, as a PNG at `path`."""
+        """The reward curve (:meth:`figure`) as a PNG at `path`."""
+        import matplotlib.pyplot as plt
+
+        fig = self.figure(title)
+        fig.savefig(path)
+        plt.close(fig)
+        return path
+
+    def figure(self, title: str) -> Any:
+        """The reward per step, its running mean, the shown parts and each env's held-out pass@1
+        and pass@k by policy version (version v is the policy after v steps), as a matplotlib
+        figure."""
         import matplotlib
 
         matplotlib.use("Agg")
@@ -144,14 +155,22 @@ class RunReport:
             values = [s.get(PART_PREFIX + p, 0.0) for s in steps]
             shown += values
             ax.plot(x, values, lw=0.8, alpha=0.6, label=f"reward part {p!r} (step)")
+        for scope, by_version in self.evaluations.items():
+            versions = sorted(by_version)
+            rows = [by_version[v] for v in versions]
+            at_1 = [r.pass_at_1 for r in rows]
+            at_k = [r.pass_at_k for r in rows]
+            shown += at_1 + at_k
+            ax.plot(versions, at_1, "o-", lw=1.5, label=f"held-out pass@1 ({scope})")
+            ax.plot(
+                versions, at_k, "s--", lw=1, alpha=0.7, label=f"held-out pass@{rows[-1].samples} ({scope})"
+            )
         if all(0.0 <= v <= 1.0 for v in shown):  # a part need not be a share (a count, a length)
             ax.set_ylim(0, 1.02)
-        ax.set_xlabel("trainer step")
+        ax.set_xlabel("trainer step (policy version for evaluations)")
         ax.set_ylabel("reward")
         ax.grid(alpha=0.3)
         ax.legend(loc="best")  # a short run's curve lies along the bottom
         ax.set_title(f"jetrl run {title}")
         fig.tight_layout()
-        fig.savefig(path)
-        plt.close(fig)
-        return path
+        return fig

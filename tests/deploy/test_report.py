@@ -1,4 +1,5 @@
-"""RunReport: the progress line, summary and reward curve from StepCompleted bodies alone."""
+"""RunReport: the progress line, summary and reward curve from StepCompleted and
+EvaluationReported bodies alone."""
 
 from __future__ import annotations
 
@@ -74,3 +75,31 @@ def test_a_part_named_reward_does_not_overwrite_the_mean() -> None:
 def test_plot_writes_a_png(tmp_path: Path) -> None:
     path = demo_like().plot(tmp_path / "reward.png", "t")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 1000
+
+
+def evaluation(env: str, version: int, at_1: float, at_k: float) -> ev.EvaluationReported:
+    return ev.EvaluationReported(
+        env=env,
+        policy_version=version,
+        n_tasks=32,
+        samples=4,
+        pass_at_1=at_1,
+        pass_at_k=at_k,
+        reward_mean=at_1,
+        version_min=version,
+        version_max=version,
+    )
+
+
+def test_the_plot_shows_each_envs_held_out_evaluations_by_version() -> None:
+    report = demo_like()
+    for version, at_1 in ((10, 0.5), (0, 0.1), (5, 0.3)):  # in any order
+        report.add_evaluation(evaluation("arithmetic", version, at_1, at_1 + 0.2))
+    report.add_evaluation(evaluation("parity", 0, 0.4, 0.7), tenant="acme")
+    ax = report.figure("t").axes[0]
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    at_1 = lines["held-out pass@1 (arithmetic)"]
+    assert list(at_1.get_xdata()) == [0, 5, 10] and list(at_1.get_ydata()) == [0.1, 0.3, 0.5]
+    assert list(lines["held-out pass@4 (arithmetic)"].get_ydata()) == [0.1 + 0.2, 0.3 + 0.2, 0.5 + 0.2]
+    assert list(lines["held-out pass@1 (acme/parity)"].get_ydata()) == [0.4]
+    assert "mean reward (step)" in lines and ax.get_ylim() == (0.0, 1.02)
