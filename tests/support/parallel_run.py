@@ -19,7 +19,7 @@ import torch
 
 from jetrl.consumers.trainer.core import TrainCore, checkpoint_path
 from jetrl.consumers.trainer.settings import TrainerPart
-from jetrl.policy.models import ModelConfig
+from jetrl.policy.models import ModelConfig, get_config
 from jetrl.policy.train import Rollout
 
 STEPS = 4
@@ -28,16 +28,16 @@ MODEL = "tiny-moe"
 ROLLOUTS = "rollouts.pt"
 
 
-def part(parallelism: dict[str, Any], **trainer: Any) -> TrainerPart:
+def part(parallelism: dict[str, Any], model: str = MODEL, **trainer: Any) -> TrainerPart:
     return TrainerPart.model_validate(
-        {"trainer": {"lr": 1e-2, "parallelism": parallelism, **trainer}, "model": {"name": MODEL}, "seed": 3}
+        {"trainer": {"lr": 1e-2, "parallelism": parallelism, **trainer}, "model": {"name": model}, "seed": 3}
     )
 
 
 def make_rollouts(cfg: ModelConfig, n: int = 7, seed: int = 0) -> list[Rollout]:
-    """Mixed lengths (so ranks get unequal shares), a masked-out environment span, and random
-    routing traces: the replayed experts differ from those the trainer's router would pick,
-    so replay (and under EP, dispatch by the replayed ids) decides the result."""
+    """Mixed lengths (so ranks get unequal shares), a masked-out environment span, and for an
+    MoE random routing traces: the replayed experts differ from those the trainer's router
+    would pick, so replay (and under EP, dispatch by the replayed ids) decides the result."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
@@ -45,7 +45,11 @@ def make_rollouts(cfg: ModelConfig, n: int = 7, seed: int = 0) -> list[Rollout]:
         c = int(torch.randint(2, 11, (1,), generator=g))
         ids = torch.randint(0, cfg.vocab_size, (p + c,), generator=g).tolist()
         rows = (p + c - 1) * cfg.num_moe_layers
-        trace = torch.stack([torch.randperm(cfg.num_experts, generator=g)[: cfg.top_k] for _ in range(rows)])
+        trace = (
+            torch.stack([torch.randperm(cfg.num_experts, generator=g)[: cfg.top_k] for _ in range(rows)])
+            if cfg.is_moe
+            else None
+        )
         mask = [not (i == 1 and 0 < j < 3) for j in range(c)]
         out.append(
             Rollout(
@@ -53,7 +57,7 @@ def make_rollouts(cfg: ModelConfig, n: int = 7, seed: int = 0) -> list[Rollout]:
                 ids[p:],
                 -0.5 - torch.rand(c, generator=g),
                 float(torch.randn(1, generator=g)),
-                routing=trace.view(p + c - 1, cfg.num_moe_layers, cfg.top_k),
+                routing=None if trace is None else trace.view(p + c - 1, cfg.num_moe_layers, cfg.top_k),
                 completion_mask=mask,
             )
         )
@@ -76,7 +80,7 @@ def with_logprobs(rollouts: list[Rollout], logprobs: list[torch.Tensor]) -> list
 def train(core: TrainCore, ckpt_dir: Path) -> dict[str, Any]:
     eng = core.engine
     out: dict[str, Any] = {"checksum0": eng.checksum()}
-    rs = make_rollouts(_cfg())
+    rs = make_rollouts(get_config(core.part.model.name))
     out["logprobs"] = eng.logprobs(rs)
     rs = with_logprobs(rs, out["logprobs"])
     torch.save(rs, ckpt_dir / ROLLOUTS)  # resume trains on exactly these
@@ -102,12 +106,6 @@ def _step(eng: Any, rs: list[Rollout]) -> str:
     eng.step(rs)
     digest: str = eng.checksum()
     return digest
-
-
-def _cfg() -> ModelConfig:
-    from jetrl.policy.models import get_config
-
-    return get_config(MODEL)
 
 
 def main() -> int:

@@ -1,6 +1,7 @@
-"""The parallel train engine on CPU with gloo, 2 ranks: FSDP2, and FSDP2 with the experts split
-over the ranks (expert parallel, Router Replay dispatching by the replayed ids), against the
-single-process engine on the same rollouts; DCP checkpoints resumed in a fresh group.
+"""The parallel train engine on CPU with gloo, 2 ranks: FSDP2, FSDP2 with the experts split over
+the ranks (expert parallel, Router Replay dispatching by the replayed ids), and FSDP2 on the
+Llama family (torchtitan's parallelize_llama, tied embeddings), against the single-process
+engine on the same rollouts; DCP checkpoints resumed in a fresh group.
 
 Each layout runs in its own process (tests/support/parallel_run.py: rank 0 starts rank 1), so
 this test process never joins a process group.
@@ -22,7 +23,7 @@ from jetrl.consumers.trainer.core import TrainCore, checkpoint_path
 from jetrl.consumers.trainer.local_engine import LocalTrainEngine
 from jetrl.policy.train import Rollout
 from jetrl.policy.weights import weights_from_bytes
-from tests.support.parallel_run import CKPT_AFTER, ROLLOUTS, STEPS, part
+from tests.support.parallel_run import CKPT_AFTER, MODEL, ROLLOUTS, STEPS, part
 
 pytestmark = pytest.mark.slow  # each layout starts a group of ranks
 ROOT = Path(__file__).resolve().parents[3]
@@ -74,6 +75,7 @@ LAYOUTS: dict[str, tuple[dict[str, int], dict[str, Any]]] = {
     "fsdp": ({"dp_shard": 2}, {}),
     "fsdp+ep": ({"dp_shard": 2, "ep": 2}, {}),
     "fsdp+ep packed": ({"dp_shard": 2, "ep": 2}, {"pack_tokens": 24}),
+    "fsdp llama": ({"dp_shard": 2}, {"model": "tiny-llama"}),
 }
 
 
@@ -83,12 +85,13 @@ def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     layout, extra = LAYOUTS[request.param]
     got = run(layout, "train", d, d / "train.pt", weights_layout="hf", **extra)
     rollouts = torch.load(d / ROLLOUTS, weights_only=False)
-    eng, want = local_reference(rollouts, weights_layout="hf")
+    eng, want = local_reference(rollouts, weights_layout="hf", model=extra.get("model", MODEL))
     return request.param, (layout, extra), d, got, eng, want, rollouts
 
 
 def test_a_parallel_step_equals_the_single_process_step(trained: Any) -> None:
-    name, (layout, _), _, got, eng, want, rollouts = trained
+    name, (layout, extra), _, got, eng, want, rollouts = trained
+    model = extra.get("model", MODEL)
     assert got["layout"] == {
         "engine": "parallel",
         "world_size": 2,
@@ -100,7 +103,7 @@ def test_a_parallel_step_equals_the_single_process_step(trained: Any) -> None:
     # The same weights hash the same, gathered from shards or not.
     assert got["checksum0"] == want["checksum0"]
     # Logprobs of the starting weights under replay, row by row.
-    start = LocalTrainEngine(part({}))
+    start = LocalTrainEngine(part({}, model=model))
     for lp, ref in zip(got["logprobs"], start.logprobs(rollouts), strict=True):
         assert lp.shape == ref.shape and torch.allclose(lp, ref, atol=LOGPROB_ATOL, rtol=0)
     for g, w in zip(got["metrics"], want["metrics"], strict=True):
@@ -113,8 +116,8 @@ def test_a_parallel_step_equals_the_single_process_step(trained: Any) -> None:
         for a, b in zip(gs, ws, strict=True):
             assert torch.allclose(a[:, 0], b[:, 0], atol=LOGPROB_ATOL, rtol=0)
             assert torch.equal(a[:, 1], b[:, 1])
-    # The random traces are not what the router would pick: replay decided every step.
-    assert any(bool(s[:, 1].any()) for s in got["stats"][0])
+    if eng.mcfg.is_moe:  # the random traces are not what the router would pick: replay decided
+        assert any(bool(s[:, 1].any()) for s in got["stats"][0])
     # Four steps later the weights are still the single-process weights, to float rounding.
     data, digest = got["export"]
     assert digest == got["checksums"][-1]
@@ -124,7 +127,7 @@ def test_a_parallel_step_equals_the_single_process_step(trained: Any) -> None:
     assert set(tensors) == set(ref)
     worst = max(float((tensors[k] - ref[k]).abs().max()) for k in ref)
     assert worst < WEIGHT_ATOL, worst
-    initial = LocalTrainEngine(part({})).model.state_dict()
+    initial = LocalTrainEngine(part({}, model=model)).model.state_dict()
     moved = max(float((tensors[k] - initial[k]).abs().max()) for k in ref)
     assert moved > 20 * WEIGHT_ATOL, moved  # it trained, far past the tolerance
     # The checksum is the canonical tensors': the same bytes loaded into one process hash alike.
@@ -143,6 +146,6 @@ def test_a_dcp_checkpoint_resumes_bit_for_bit_in_a_fresh_group(trained: Any, tmp
 
 
 def test_a_checkpoint_is_refused_by_another_layout(trained: Any) -> None:
-    d = trained[2]
+    d, model = trained[2], trained[1][1].get("model", MODEL)
     with pytest.raises(ValueError, match=r"laid out as .*'dp_shard': 2"):
-        TrainCore(part({})).load_checkpoint(checkpoint_path(d, CKPT_AFTER))
+        TrainCore(part({}, model=model)).load_checkpoint(checkpoint_path(d, CKPT_AFTER))
