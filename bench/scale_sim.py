@@ -474,6 +474,9 @@ class CountingStore:
     async def get_bytes(self, ref: ev.PayloadRef) -> bytes:
         raise NotImplementedError("on paper nothing is read back")
 
+    async def discard(self, name: str) -> None:
+        return None  # on paper nothing is held
+
 
 async def paper_traffic(shape: Shape, run_id: str = "seed") -> Traffic:
     """One step of ``shape``: one group simulated and counted, times the groups, then the

@@ -233,6 +233,9 @@ class MooncakePayloads:
         with self._lock:
             return len(self._held), sum(h.size for h in self._held.values())
 
+    async def discard(self, name: str) -> None:
+        return None  # held objects are evicted past `keep_objects` and `keep_mib`, oldest first
+
     # ------------------------------------------------------------------ reading
 
     async def get_bytes(self, ref: ev.PayloadRef) -> bytes:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import io
 import os
@@ -145,6 +146,11 @@ class PayloadStore(Protocol):
 
     async def get_bytes(self, ref: ev.PayloadRef) -> bytes: ...
 
+    async def discard(self, name: str) -> None:
+        """The writer no longer needs ``name`` (a policy version past its retention): the store
+        may drop it. A name that is not there is no error."""
+        ...
+
 
 class ObjectStorePayloads:
     """The run's JetStream Object Store bucket (chunked, replicated with the run)."""
@@ -200,6 +206,15 @@ class ObjectStorePayloads:
             ) from None
         return into.value()
 
+    async def discard(self, name: str) -> None:
+        gone = (
+            nats.js.errors.NotFoundError,
+            nats.js.errors.ObjectNotFoundError,
+            nats.js.errors.ObjectDeletedError,
+        )
+        with contextlib.suppress(*gone):
+            await self.obj.delete(name)
+
 
 class FilePayloads:
     """A directory on a shared filesystem; writes are atomic (temp file + rename)."""
@@ -227,6 +242,9 @@ class FilePayloads:
         except FileNotFoundError:
             raise PayloadMissing(f"payload {path} not found") from None
 
+    async def discard(self, name: str) -> None:
+        await asyncio.to_thread(self._path(name).unlink, missing_ok=True)
+
 
 class NoPayloadStore:
     """Where a reader has no payload store it may use (a tenant's producer: the run's store is
@@ -243,6 +261,9 @@ class NoPayloadStore:
         raise PayloadError(
             f"payload {ref.bucket}/{ref.name} is in the run's payload store, which this identity cannot read"
         )
+
+    async def discard(self, name: str) -> None:
+        return None  # it holds nothing
 
 
 def _ref(store: ObjectStorePayloads | FilePayloads, name: str, data: Buffer, digest: str) -> ev.PayloadRef:

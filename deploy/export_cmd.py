@@ -15,7 +15,7 @@ from pathlib import Path
 
 from jetrl.bus.client import Bus
 from jetrl.bus.log import configure
-from jetrl.bus.payloads import Payloads
+from jetrl.bus.payloads import PayloadMissing, Payloads
 from jetrl.deploy.config import RunConfig
 from jetrl.deploy.run_log import with_run_log
 
@@ -50,7 +50,14 @@ async def export(
             return 2
         model = RunConfig.model_validate(log.config).model
         payloads = await Payloads.for_run(bus.js, run_id, weights_dir=run_dir / "payloads")
-        data = await payloads.get_bytes(ready.location)
+        try:
+            data = await payloads.get_bytes(ready.location)
+        except PayloadMissing:
+            print(
+                f"export-model: version {v} of run {run_id} is no longer in its store: the trainer keeps "
+                "version 0 and the newest [trainer] weights_keep versions (None keeps every one)"
+            )
+            return 2
         cfg = model_config_of(model)
         tensors, digest = weights_from_bytes(data, expected_checksum=ready.weights_checksum, model_cfg=cfg)
         save_checkpoint(

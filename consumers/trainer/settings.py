@@ -83,6 +83,11 @@ class TrainerSettings(Section):
     # The layout of the weights it publishes: jetrl's (torchtitan names, grouped experts) or
     # Hugging Face's (per-expert tensors), for engines that load that. Checksums are the same.
     weights_layout: Literal["jetrl", "hf"] = "jetrl"
+    # Published weights kept in their store: the newest `weights_keep` versions and version 0
+    # (where `jetrl replay` and a recovery without a checkpoint start); each older one is
+    # discarded as a newer one is announced (a 1000-step run of a 135M model in fp32 would
+    # otherwise leave 538 GB). None: every version kept, for `jetrl export-model --version`.
+    weights_keep: int | None = Field(4, ge=2)
     # Each step's per-token trainer log-probs and routing differences, published with its
     # StepCompleted (8 bytes a completion token) for the monitor's rollout inspector.
     record_token_stats: bool = True

@@ -223,6 +223,9 @@ class Trainer:
                 event_id=ids.weights_event_id(self.run_id, v, again=ref.name if again else None),
             )
         )
+        keep = self.s.weights_keep
+        if keep is not None and v - keep >= 1:  # announced first: a worker reads the newest
+            await self.weights_store.discard(f"weights-v{v - keep}")
         return int(ack.seq)
 
     async def publish_step(

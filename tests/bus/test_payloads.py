@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -138,3 +139,18 @@ async def test_a_buffer_is_stored_as_it_is(bus: Bus, run_id: str, tmp_path) -> N
         assert await store.get_bytes(ref) == bytes(data)
         view_ref = await store.put("weights-v2", memoryview(data))
         assert (view_ref.size, view_ref.sha256) == (len(data), digest)
+
+
+async def test_a_discarded_payload_is_gone_and_discarding_twice_is_no_error(
+    bus: Bus, run_id: str, tmp_path: Path
+) -> None:
+    for store in (await ObjectStorePayloads.for_run(bus.js, run_id), FilePayloads(tmp_path, "run3")):
+        old, kept = await store.put("weights-v1", b"old"), await store.put("weights-v2", b"kept")
+        await store.discard("weights-v1")
+        with pytest.raises(PayloadMissing):
+            await store.get_bytes(old)
+        assert await store.get_bytes(kept) == b"kept"
+        await store.discard("weights-v1")
+        await store.discard("never-written")
+        with pytest.raises(PayloadError, match="plain file name"):
+            await FilePayloads(tmp_path, "run3").discard("../escape")

@@ -3,6 +3,7 @@ invariants checked from the log and the store."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 from jetrl.bus import events as ev
 from jetrl.bus import subjects
 from jetrl.bus.client import Bus
+from jetrl.bus.payloads import PayloadMissing, Payloads
 from jetrl.bus.server import EmbeddedServer
 from jetrl.consumers.monitor.reader import follow, from_store
 from jetrl.consumers.monitor.service import Monitor
@@ -71,10 +73,20 @@ async def test_short_async_run_keeps_the_invariants(
     # A rollout's arrays are its generation's: referred to where they lie in the log, not copied.
     bus = await Bus.connect(nats_server.url)
     gen_seq = {i.seq for i in await bus.read_log(run_id, filter_subject=subjects.generation_subject(run_id))}
-    await bus.close()
     for r in bodies(log, ev.RolloutScored):
         refs = [r.prompt_tokens, r.completion_tokens, r.logprobs]
         assert all(isinstance(a, ev.LogArray) and a.seq in gen_seq for a in refs)
+    # Weights past retention are discarded: version 0 and the newest `weights_keep` remain.
+    keep = cfg.trainer.weights_keep
+    assert keep is not None and keep < STEPS
+    payloads = await Payloads.for_run(bus.js, run_id)
+    held = set()
+    for w in bodies(log, ev.WeightsReady):
+        with contextlib.suppress(PayloadMissing):
+            await payloads.get_bytes(w.location)
+            held.add(w.version)
+    assert held == {0, *range(STEPS - keep + 1, STEPS + 1)}
+    await bus.close()
     at_end = [w for w in bodies(log, ev.RolloutWithheld) if w.reason == "run_finished"]
     assert json.loads((tmp_path / run_id / "summary.json").read_text())["withheld_at_end"] == len(at_end)
 
