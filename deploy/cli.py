@@ -18,6 +18,7 @@ _COMMAND_MODULES = [
     "jetrl.deploy.bus_demo_cmd",
     "jetrl.deploy.gateway_cmd",
     "jetrl.deploy.export_cmd",
+    "jetrl.deploy.plot_cmd",
     "jetrl.deploy.tiny_hf_cmd",
     "jetrl.deploy.import_model_cmd",
     "jetrl.deploy.tenants_cmd",
