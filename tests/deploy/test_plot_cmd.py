@@ -9,25 +9,12 @@ from jetrl.bus import events as ev
 from jetrl.bus.client import Bus
 from jetrl.bus.server import EmbeddedServer
 from jetrl.deploy.plot_cmd import plot, report_of
+from tests.support.report_bodies import evaluation
 
 
 def _step(n: int, reward: float) -> ev.StepCompleted:
     return ev.StepCompleted(
         step=n, policy_version=n + 1, rollout_ids=[], metrics={"reward_mean": reward}, tokens=10
-    )
-
-
-def _eval(version: int, at_1: float) -> ev.EvaluationReported:
-    return ev.EvaluationReported(
-        env="parity",
-        policy_version=version,
-        n_tasks=8,
-        samples=2,
-        pass_at_1=at_1,
-        pass_at_k=at_1,
-        reward_mean=at_1,
-        version_min=version,
-        version_max=version,
     )
 
 
@@ -38,11 +25,11 @@ async def test_a_runs_curve_is_drawn_from_its_log(
     assert await plot(nats_server.url, run_id, out) == 2 and not out.exists()  # no steps yet
     bodies: list[ev.EventBody] = [
         ev.RunStarted(config={}, code_version="test"),
-        _eval(0, 0.25),
+        evaluation("parity", 0, 0.25, 0.25, samples=2),
         _step(0, 0.1),
         _step(1, 0.3),
         _step(1, 0.9),  # a step logged twice (a recovered trainer): the first counts
-        _eval(2, 0.5),
+        evaluation("parity", 2, 0.5, 0.5, samples=2),
         _step(2, 0.6),
     ]
     for i, body in enumerate(bodies):

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from jetrl.bus import events as ev
 from jetrl.deploy.report import RunReport
+from tests.support.report_bodies import evaluation
 
 
 def step(n: int, mean: float, **parts: float) -> ev.StepCompleted:
@@ -75,20 +76,6 @@ def test_a_part_named_reward_does_not_overwrite_the_mean() -> None:
 def test_plot_writes_a_png(tmp_path: Path) -> None:
     path = demo_like().plot(tmp_path / "reward.png", "t")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 1000
-
-
-def evaluation(env: str, version: int, at_1: float, at_k: float) -> ev.EvaluationReported:
-    return ev.EvaluationReported(
-        env=env,
-        policy_version=version,
-        n_tasks=32,
-        samples=4,
-        pass_at_1=at_1,
-        pass_at_k=at_k,
-        reward_mean=at_1,
-        version_min=version,
-        version_max=version,
-    )
 
 
 def test_the_plot_shows_each_envs_held_out_evaluations_by_version() -> None:
