@@ -125,9 +125,9 @@ class RunReport:
 
     def plot(self, path: Path, title: str) -> Path:
         """The reward curve (:meth:`figure`) as a PNG at `path`."""
+        fig = self.figure(title)  # picks the Agg backend before pyplot is imported here
         import matplotlib.pyplot as plt
 
-        fig = self.figure(title)
         fig.savefig(path)
         plt.close(fig)
         return path

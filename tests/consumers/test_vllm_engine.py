@@ -22,6 +22,7 @@ from jetrl.policy.hf_tokenizer import HFTokenizer
 from jetrl.policy.origin import initial_model
 from jetrl.policy.settings import ModelSettings
 from jetrl.policy.weights import ChecksumMismatch, weights_to_bytes
+from tests.support.forwards import logprob_gap
 from tests.support.processes import vllm_processes
 
 pytestmark = [
@@ -62,14 +63,7 @@ def _prompts(ckpt: Path) -> list[list[int]]:
 
 
 def _max_logprob_gap(model: torch.nn.Module, prompt: list[int], samples: list[Sample]) -> float:
-    worst = 0.0
-    for s in samples:
-        ids = s.completion_tokens.tolist()
-        with torch.no_grad():
-            logp = model(torch.tensor([prompt + ids]))[0].log_softmax(-1)
-        ours = logp[len(prompt) - 1 + torch.arange(len(ids)), torch.tensor(ids)]
-        worst = max(worst, (ours - torch.from_numpy(s.logprobs)).abs().max().item())
-    return worst
+    return max(logprob_gap(model, prompt, s.completion_tokens.tolist(), s.logprobs) for s in samples)
 
 
 async def _generate(

@@ -4,7 +4,9 @@ jetrl's through a KV cache, a prefill and then one token at a time."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
 from jetrl.policy.models import KVCache
@@ -36,3 +38,12 @@ def cached_logits(model: torch.nn.Module, x: torch.Tensor, prefill: int) -> torc
             cache.begin(torch.ones(b, 1, dtype=torch.bool))
             parts.append(model(x[:, i : i + 1], torch.full((b, 1), i), cache))
     return torch.cat(parts, 1)
+
+
+def logprob_gap(model: torch.nn.Module, prompt: list[int], completion: list[int], logprobs: Any) -> float:
+    """The largest |model's log-prob - ``logprobs``| over a completion's sampled tokens, the model
+    run once on prompt + completion (``logprobs``: an engine's, one per completion token)."""
+    with torch.no_grad():
+        logp = model(torch.tensor([prompt + completion]))[0].log_softmax(-1)
+    ours = logp[len(prompt) - 1 + torch.arange(len(completion)), torch.tensor(completion)]
+    return float((ours - torch.as_tensor(np.array(logprobs))).abs().max())

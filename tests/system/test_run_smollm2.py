@@ -35,11 +35,11 @@ from jetrl.deploy.export_cmd import export
 from jetrl.deploy.gateway_cmd import run_tokenizer
 from jetrl.deploy.supervisor import Supervisor
 from jetrl.policy.hf_tokenizer import HFTokenizer
-from jetrl.policy.models import ModelConfig
 from jetrl.policy.origin import initial_model, model_config_of
 from jetrl.policy.settings import ModelSettings
 from jetrl.policy.weights import load_into, weights_from_bytes
 from jetrl.producers.gateway import ChatGateway, GatewaySettings
+from tests.support.forwards import logprob_gap
 from tests.support.processes import vllm_processes
 from tests.support.runlog import bodies, read_log
 from tests.support.smollm2 import smollm2_dir
@@ -68,10 +68,6 @@ class SmolRun:
     log: list[ev.Event]
     export: Path
     weights: dict[int, dict[str, torch.Tensor]]  # version -> jetrl's tensors, as the log holds them
-
-    @property
-    def mcfg(self) -> ModelConfig:
-        return model_config_of(ModelSettings(hf_path=str(self.ckpt)))
 
     def model_at(self, version: int) -> torch.nn.Module:
         model: torch.nn.Module = initial_model(ModelSettings(hf_path=str(self.ckpt)))
@@ -171,13 +167,6 @@ async def test_prompts_and_completions_are_the_models_own(smol: SmolRun) -> None
     assert any(any(c.isalpha() for c in t) for t in texts), texts  # words, from a pretrained model
 
 
-def _logprob_gap(model: torch.nn.Module, prompt: list[int], completion: list[int], logprobs: Any) -> float:
-    with torch.no_grad():
-        logp = model(torch.tensor([prompt + completion]))[0].log_softmax(-1)
-    ours = logp[len(prompt) - 1 + torch.arange(len(completion)), torch.tensor(completion)]
-    return float((ours - torch.from_numpy(logprobs)).abs().max())
-
-
 @needs_vllm
 async def test_vllms_logprobs_equal_jetrls_model_at_every_version_it_served(smol: SmolRun) -> None:
     """The behaviour logprobs in the log, from vLLM serving the imported folder and then each
@@ -193,7 +182,7 @@ async def test_vllms_logprobs_equal_jetrls_model_at_every_version_it_served(smol
     for version, group in sorted(by_version.items()):
         model = smol.model_at(version)
         for prompt, completion, logprobs in await _arrays(smol, group[:3]):
-            assert _logprob_gap(model, prompt, completion, logprobs) <= LOGPROB_TOL, version
+            assert logprob_gap(model, prompt, completion, logprobs) <= LOGPROB_TOL, version
 
 
 def test_the_export_loads_in_transformers_with_jetrls_logits(smol: SmolRun) -> None:
@@ -232,7 +221,7 @@ async def test_the_export_serves_in_vllm_with_jetrls_logprobs(smol: SmolRun) -> 
     for p, samples in zip(prompts, out, strict=True):
         assert len(samples) == 2
         for s in samples:
-            assert _logprob_gap(model, p, s.completion_tokens.tolist(), s.logprobs) <= LOGPROB_TOL
+            assert logprob_gap(model, p, s.completion_tokens.tolist(), s.logprobs) <= LOGPROB_TOL
 
 
 @contextlib.asynccontextmanager

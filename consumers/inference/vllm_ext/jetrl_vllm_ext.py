@@ -42,7 +42,7 @@ def _sharing_a_weight(model: Any) -> list[Any]:
     that process it after loading."""
     holders: dict[int, list[Any]] = {}
     for module in model.modules():
-        weight = module.__dict__.get("_parameters", {}).get("weight")
+        weight = module._parameters.get("weight")
         if weight is not None:
             holders.setdefault(id(weight), []).append(module)
     return [
