@@ -223,8 +223,9 @@ class Bus:
         """Create (or check) the run's log stream and payload bucket, with as many replicas as
         ``limits`` asks (or, for "auto", as the server's cluster allows). Idempotent."""
         limits = (limits or StreamLimits()).resolve_replicas(self.cluster_size())
-        info = await ensure_run_stream(self.js, run_id, limits)
-        await ensure_payload_bucket(self.js, run_id, limits)
+        # A cluster just formed (or electing its meta leader) answers nothing for a while.
+        info = await retrying(f"stream of {run_id}", lambda: ensure_run_stream(self.js, run_id, limits))
+        await retrying(f"payloads of {run_id}", lambda: ensure_payload_bucket(self.js, run_id, limits))
         return info
 
     def cluster_size(self) -> int:

@@ -16,6 +16,7 @@ from nats.js.object_store import ObjectStore
 
 from jetrl.bus import subjects
 from jetrl.bus.log import get_logger
+from jetrl.bus.retry import RETRYABLE
 
 log = get_logger(__name__)
 
@@ -106,6 +107,8 @@ async def ensure_run_stream(
     except nats.js.errors.NotFoundError:
         try:
             info = await js.add_stream(cfg)
+        except RETRYABLE:
+            raise  # a 503 is an APIError too, but one that heals: the caller retries it
         except nats.js.errors.APIError as exc:
             raise StreamSetupError(name, limits.max_bytes, exc) from exc
         log.info("stream_created", run_id=run_id, stream=name, max_bytes=limits.max_bytes)
@@ -141,6 +144,8 @@ async def ensure_payload_bucket(
                 replicas=limits.replicas,
             ),
         )
+    except RETRYABLE:
+        raise
     except nats.js.errors.APIError as exc:
         raise StreamSetupError(bucket, limits.payload_max_bytes, exc) from exc
 

@@ -19,6 +19,7 @@ from typing import Literal
 from jetrl.bus import events as ev
 from jetrl.consumers.monitor.series import AlertView, MonitorState
 from jetrl.consumers.monitor.settings import AlertSettings
+from jetrl.consumers.trainer.settings import TrainerSettings
 
 
 @dataclass(frozen=True)
@@ -32,11 +33,15 @@ class Condition:
     message: str
 
 
+# The staleness the trainer accepts when the run's config does not say: the trainer's own default.
+TRAINER_LAG: int = TrainerSettings.model_fields["max_off_policy_steps"].default
+
+
 def _version_lag(state: MonitorState, s: AlertSettings) -> int:
     if s.max_version_lag is not None:
         return s.max_version_lag
-    lag = state.config.get("trainer", {}).get("max_off_policy_steps", 2)
-    return int(lag) if isinstance(lag, int | float) else 2
+    lag = state.config.get("trainer", {}).get("max_off_policy_steps", TRAINER_LAG)
+    return int(lag) if isinstance(lag, int | float) else TRAINER_LAG
 
 
 def conditions(state: MonitorState, s: AlertSettings, now: float) -> Iterator[Condition]:

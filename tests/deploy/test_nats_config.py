@@ -4,6 +4,8 @@ replicated, and the example in deploy/nats is what the generator writes."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import subprocess
 from pathlib import Path
 
@@ -129,3 +131,22 @@ async def test_a_run_on_a_cluster_is_replicated(nodes: int, replicas: int, tmp_p
             c = await cluster.stream_cluster(stream)
             assert c.leader in cluster.names()
             assert sorted([str(c.leader), *(str(p.name) for p in c.replicas or [])]) == cluster.names()
+
+
+async def test_a_run_set_up_while_the_cluster_has_no_quorum_waits_for_it(tmp_path: Path) -> None:
+    """Bus.ensure_run on a cluster whose JetStream meta group has lost its quorum (one of two
+    nodes down: nothing answers) waits until the node is back instead of failing the run's
+    set-up, as a run started on a cluster still forming or electing would."""
+    with LoopbackCluster(tmp_path, 2) as cluster:
+        # A 2 s request timeout: an answer not in time is given up, and the set-up must retry.
+        bus = await Bus.connect(cluster.servers[0].url, name="test", request_timeout=2.0)
+        try:
+            cluster.kill(1)
+            setup = asyncio.create_task(bus.ensure_run("r1", dataclasses.replace(AUTO, replicas=2)))
+            await asyncio.sleep(5.0)
+            assert not setup.done()  # no quorum: no answer yet, and no error either
+            await asyncio.to_thread(cluster.restart, 1)
+            info = await asyncio.wait_for(setup, 60)
+            assert info.config.num_replicas == 2
+        finally:
+            await bus.close()

@@ -104,3 +104,16 @@ def test_a_loss_that_is_not_finite_is_critical_and_shown_as_it_is() -> None:
     for r in step(20, 12.0, 1, loss=0.5, grad_norm=1.0):
         s.apply(r)
     assert ("loss_not_finite", "trainer", "resolved") in fired(a, s, 12.5)
+
+
+def test_a_config_without_the_bound_is_held_to_the_trainers_default() -> None:
+    # The run's config names no [trainer] max_off_policy_steps: the trainer then accepts 1, and
+    # a worker 2 versions behind is stale by that bound (it would not be by a bound of 2).
+    s = state_with(
+        rec.Started(1, 0.0, {}),
+        *[r for n in range(4) for r in step(10 + 2 * n, 2.0 + n, n)],
+        rec.Beat(30, 9.0, "inf-0", "inference", "ready", 2, 0),
+    )
+    assert fired(Alerts(AlertSettings(heartbeat_lost_s=60)), s, 10.0) == {
+        ("stale_version", "inf-0", "firing")
+    }
