@@ -39,7 +39,6 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -51,7 +50,7 @@ from jetrl.bus.payloads import Payloads
 from jetrl.bus.server import EmbeddedServer
 from jetrl.bus.settings import EnvRoute, TenantSettings
 from jetrl.bus.streams import GiB, StreamLimits
-from jetrl.consumers.inference.engine import GroupRequest, Sample
+from jetrl.consumers.inference.engine import GroupRequest, Limits, Sample
 from jetrl.consumers.inference.settings import InferencePart, InferenceSettings
 from jetrl.consumers.inference.worker import InferenceWorker
 
@@ -65,7 +64,7 @@ class PacedEngine:
     stand-in for a GPU batch, whose time grows little with its size."""
 
     # Vocabulary and context the worker's edge checks use (no model, so no torch).
-    mcfg = SimpleNamespace(vocab_size=64, max_seq_len=256)
+    limits: Limits | None = Limits(vocab_size=64, max_context=256)
 
     def __init__(self, part: InferencePart, worker_id: str) -> None:
         self._version: int | None = None

@@ -465,6 +465,7 @@ class CountingStore:
     """A payload store that keeps nothing: sizing one step on paper."""
 
     kind = "objstore"
+    held_by_writer = False
     bucket = "paper"
 
     async def put(self, name: str, data: Buffer) -> ev.PayloadRef:

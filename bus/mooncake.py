@@ -96,6 +96,7 @@ class MooncakePayloads:
     """A payload store whose objects stay in the writer's memory until evicted."""
 
     kind = "mooncake"
+    held_by_writer = True  # evicted by its own limits, gone with the trainer
 
     def __init__(self, settings: MooncakeSettings | None = None, *, bucket: str = "") -> None:
         self.s = settings or MooncakeSettings()

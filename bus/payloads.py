@@ -39,8 +39,6 @@ from jetrl.bus.streams import payload_bucket, stored_message, stream_name
 log = get_logger(__name__)
 
 DEFAULT_INLINE_THRESHOLD = 16 * 1024
-# Stores whose bytes live in their writer's memory: gone when it dies (bus/mooncake.py).
-HELD_BY_WRITER = frozenset({"mooncake"})
 _ALLOWED_DTYPES = {"uint8", "uint16", "int32", "int64", "float16", "float32", "float64", "bfloat16"}
 
 
@@ -140,7 +138,10 @@ class _BufferWriter(io.BufferedIOBase):
 
 
 class PayloadStore(Protocol):
-    kind: str
+    kind: str  # the name a reference carries (PayloadRef.store): which store reads it back
+    # Whether the bytes live in their writer's memory (bus/mooncake.py), gone when it dies: a
+    # restarted writer must put them again, and what outlives it goes to another store.
+    held_by_writer: bool
 
     async def put(self, name: str, data: Buffer) -> ev.PayloadRef: ...
 
@@ -156,6 +157,7 @@ class ObjectStorePayloads:
     """The run's JetStream Object Store bucket (chunked, replicated with the run)."""
 
     kind = "objstore"
+    held_by_writer = False
 
     def __init__(self, obj: ObjectStore, bucket: str) -> None:
         self.obj = obj
@@ -220,6 +222,7 @@ class FilePayloads:
     """A directory on a shared filesystem; writes are atomic (temp file + rename)."""
 
     kind = "file"
+    held_by_writer = False
 
     def __init__(self, root: str | Path, bucket: str) -> None:
         self.root = Path(root)
@@ -251,6 +254,7 @@ class NoPayloadStore:
     jetrl's): every array travels inline, and a reference it meets is refused clearly."""
 
     kind = "none"
+    held_by_writer = False
 
     async def put(self, name: str, data: Buffer) -> ev.PayloadRef:
         raise PayloadError(

@@ -6,10 +6,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib
 import json
 import signal
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -92,17 +91,3 @@ def part_main(
             await bus.close()
 
     return run_process(go)
-
-
-def load_plugin(spec: str, builtins: Mapping[str, str], what: str) -> Any:
-    """The object a setting names: a built-in name of ``builtins`` (which maps names to
-    ``module:attr``), or any ``package.module:attr``. Imported only when asked for, so a
-    torch-free caller stays torch-free until it builds the thing."""
-    target = builtins.get(spec, spec)
-    module, sep, attr = target.partition(":")
-    if not sep or not module or not attr:
-        raise ValueError(f"unknown {what} {spec!r}: give one of {sorted(builtins)} or 'package.module:attr'")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot load {what} {spec!r} ({target}): {exc}") from exc

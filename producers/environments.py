@@ -13,11 +13,11 @@ learn by RL alone on a CPU in minutes.
 
 from __future__ import annotations
 
-import importlib
 import random
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from jetrl.bus.plugins import load_plugin
 from jetrl.policy.tokenizer import Tokenizer, make_tokenizer
 
 
@@ -196,13 +196,14 @@ LAZY_ENVIRONMENTS: dict[str, str] = {
 
 
 def make_environment(name: str, tokenizer: Tokenizer | None = None, **params: Any) -> Environment:
-    if name in LAZY_ENVIRONMENTS:
-        module, _, attr = LAZY_ENVIRONMENTS[name].partition(":")
-        cls: type[Environment] = getattr(importlib.import_module(module), attr)
-        return cls(tokenizer, **params)
-    try:
-        cls = ENVIRONMENTS[name]
-    except KeyError:
-        known = sorted([*ENVIRONMENTS, *LAZY_ENVIRONMENTS])
-        raise KeyError(f"unknown environment {name!r}; known: {known}") from None
+    """The environment ``name`` names: a built-in, or any ``package.module:Class`` (a subclass
+    of Environment in the user's own code, imported when asked for)."""
+    cls = ENVIRONMENTS.get(name)
+    if cls is None:
+        if name not in LAZY_ENVIRONMENTS and ":" not in name:
+            known = sorted([*ENVIRONMENTS, *LAZY_ENVIRONMENTS])
+            raise KeyError(f"unknown environment {name!r}; known: {known} or 'package.module:Class'")
+        cls = load_plugin(name, LAZY_ENVIRONMENTS, "environment")
+        if not (isinstance(cls, type) and issubclass(cls, Environment)):
+            raise ValueError(f"environment {name!r} is {cls!r}, not a subclass of Environment")
     return cls(tokenizer, **params)

@@ -11,8 +11,8 @@ bad task neither crashes a worker nor fails the batch it would have joined:
   of an episode, evaluations and the gateway's tasks have group size 1 legitimately;
 * ``bad_tokens``: an empty prompt, or token ids outside the model's vocabulary (the embedding
   would index past its table);
-* ``too_long``: prompt plus ``max(max_tokens, 1)`` past the model's context (vLLM's
-  ``max_model_len`` when set);
+* ``too_long``: prompt plus ``max(max_tokens, 1)`` past the model's context (the engine's
+  ``limits``: vLLM's ``max_model_len`` when set);
 * ``bad_params``: a non-finite or negative temperature, negative max tokens;
 * ``future_version``: a ``min_policy_version`` more than :data:`FUTURE_VERSIONS` ahead of the newest
   WeightsReady seen. Waiting for it would hold a worker's batch for as long as the trainer takes
@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from jetrl.bus import events as ev
 from jetrl.bus import ids
 from jetrl.bus.log import get_logger
+from jetrl.consumers.inference.engine import GenerationEngine, Limits
 from jetrl.consumers.inference.settings import InferencePart
 from jetrl.policy.tokenizer import tokenizer_for
 
@@ -55,31 +56,23 @@ class Refusal:
     detail: str
 
 
-@dataclass(frozen=True)
-class Limits:
-    vocab_size: int | None
-    max_context: int | None
+def limits_for(part: InferencePart, engine: GenerationEngine) -> Limits:
+    """The model's vocabulary and context: the engine's own (titan and vLLM know their model),
+    else ``[model]``'s (importing torch, once), else the tokenizer's vocabulary and no context
+    check."""
+    if engine.limits is not None:
+        return engine.limits
+    vocab: int | None = None
+    context: int | None = None
+    try:
+        from jetrl.policy.origin import model_config_of
 
-
-def limits_for(part: InferencePart, engine: object) -> Limits:
-    """The model's vocabulary and context: from the engine's model config when it has one (titan,
-    vLLM), else from ``[model]`` (importing torch, once), else the tokenizer's vocabulary and no
-    context check."""
-    mcfg = getattr(engine, "mcfg", None)
-    if mcfg is None:
-        try:
-            from jetrl.policy.origin import model_config_of
-
-            mcfg = model_config_of(part.model)
-        except Exception as exc:  # an engine with its own model (a plugin) may name none we know
-            log.warning("model_limits_unknown", error=repr(exc))
-    vocab = getattr(mcfg, "vocab_size", None)
-    context = getattr(mcfg, "max_seq_len", None)
+        mcfg = model_config_of(part.model)
+        vocab, context = mcfg.vocab_size, mcfg.max_seq_len
+    except Exception as exc:  # an engine with its own model (a plugin) may name none we know
+        log.warning("model_limits_unknown", error=repr(exc))
     if vocab is None:
         vocab = tokenizer_for(part.model).vocab_size
-    vllm_len = part.inference.vllm.max_model_len
-    if part.inference.engine == "vllm" and vllm_len:
-        context = min(context, vllm_len) if context else vllm_len
     return Limits(int(vocab), int(context) if context else None)
 
 

@@ -7,22 +7,24 @@ Replay trace (``[prompt + completion - 1, moe_layers, top_k]``, uint8, uint16 pa
 It loads the weights a WeightsReady names (checksum-verified) and says which version it holds.
 The worker owns everything else: tasks, leases, events, payloads. ``[inference] engine`` names
 one: a built-in of :data:`ENGINES`, or any ``package.module:attr`` (a class or factory taking
-the worker's :class:`InferencePart` and worker id). An engine that batches continuously may say
-``batches_in_flight = N``: the worker then hands it up to N batches at once (never across a
-weights load). Torch-free.
+the worker's :class:`InferencePart` and worker id). Besides its methods an engine says how many
+batches it takes at once (``batches_in_flight``: N for one that batches continuously, which the
+worker then hands up to N batches, never across a weights load) and what its model takes
+(``limits``: the vocabulary and context the worker refuses tasks past; None for an engine without
+a model of its own, checked against ``[model]``). Torch-free.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
 
 from jetrl.bus import events as ev
 from jetrl.bus.payloads import Payloads
-from jetrl.bus.runtime import load_plugin
+from jetrl.bus.plugins import load_plugin
 from jetrl.consumers.inference.settings import InferencePart
 
 ENGINES = {
@@ -53,7 +55,20 @@ class Sample:
     routing_trace: np.ndarray | None = None  # MoE only
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What a model takes: token ids below ``vocab_size``; a prompt plus its completion up to
+    ``max_context`` tokens (None: not checked)."""
+
+    vocab_size: int | None
+    max_context: int | None
+
+
+@runtime_checkable
 class GenerationEngine(Protocol):
+    batches_in_flight: int  # batches the worker may hand it at once (1: one at a time)
+    limits: Limits | None  # None: no model of its own; the worker reads [model]'s
+
     @property
     def loaded_version(self) -> int | None:
         """The policy version of the weights generated with (None before the first load)."""
@@ -72,5 +87,9 @@ class GenerationEngine(Protocol):
 
 def make_generation_engine(part: InferencePart, worker_id: str) -> GenerationEngine:
     factory = load_plugin(part.inference.engine, ENGINES, "generation engine")
-    engine: GenerationEngine = factory(part, worker_id)
+    engine = factory(part, worker_id)
+    if not isinstance(engine, GenerationEngine):
+        members = {*GenerationEngine.__annotations__, *vars(GenerationEngine)}
+        missing = sorted(m for m in members if not m.startswith("_") and not hasattr(engine, m))
+        raise TypeError(f"generation engine {part.inference.engine!r} lacks {missing} (GenerationEngine)")
     return engine

@@ -14,7 +14,7 @@ import torch
 
 from jetrl.bus import events as ev
 from jetrl.bus.payloads import Payloads
-from jetrl.consumers.inference.engine import GroupRequest, Sample
+from jetrl.consumers.inference.engine import GroupRequest, Limits, Sample
 from jetrl.consumers.inference.settings import InferencePart
 from jetrl.policy.models import build_model
 from jetrl.policy.origin import model_config_of
@@ -23,10 +23,13 @@ from jetrl.policy.weights import load_into, weights_from_bytes
 
 
 class TitanEngine:
+    batches_in_flight = 1  # one generate call at a time: the next batch waits for it
+
     def __init__(self, part: InferencePart, worker_id: str) -> None:
         s = self.s = part.inference
         torch.set_num_threads(s.threads)
         mcfg = self.mcfg = model_config_of(part.model)
+        self.limits: Limits | None = Limits(mcfg.vocab_size, mcfg.max_seq_len)
         # Weights come from WeightsReady events; the seed here only shapes the module.
         self.model = inference_copy(build_model(mcfg, seed=0), s.precision)
         # Each worker samples its own stream, reproducible from the run seed and its id.

@@ -56,7 +56,7 @@ from jetrl.bus import events as ev
 from jetrl.bus.log import get_logger
 from jetrl.bus.payloads import Payloads
 from jetrl.bus.server import free_port
-from jetrl.consumers.inference.engine import FinishReason, GroupRequest, Sample
+from jetrl.consumers.inference.engine import FinishReason, GroupRequest, Limits, Sample
 from jetrl.consumers.inference.settings import InferencePart, VLLMSettings
 
 EXTENSION_DIR = Path(__file__).resolve().parent / "vllm_ext"
@@ -148,6 +148,9 @@ class VLLMEngine:
 
         self.part = part
         self.mcfg = model_config_of(part.model)
+        served = part.inference.vllm.max_model_len  # what the server takes, when set
+        context = min(self.mcfg.max_seq_len, served) if served else self.mcfg.max_seq_len
+        self.limits: Limits | None = Limits(self.mcfg.vocab_size, context)
         self.log = get_logger(__name__, worker_id=worker_id)
         self.scratch = Path(tempfile.mkdtemp(prefix="jetrl-vllm-"))
         self.port = free_port()

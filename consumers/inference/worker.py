@@ -91,7 +91,7 @@ class InferenceWorker:
         self.payloads: Payloads | None = None
         # Engines that batch continuously (vLLM) take several batches at once; weights are only
         # loaded when none is in flight, so a batch generates under one version.
-        self.batches_in_flight = max(1, int(getattr(self.engine, "batches_in_flight", 1)))
+        self.batches_in_flight = max(1, self.engine.batches_in_flight)
         self.generating = 0
         self.quiet = asyncio.Event()
         self.quiet.set()

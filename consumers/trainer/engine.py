@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from jetrl.bus.runtime import load_plugin
+from jetrl.bus.plugins import load_plugin
 from jetrl.consumers.trainer.settings import TrainerPart
 
 if TYPE_CHECKING:

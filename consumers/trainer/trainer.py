@@ -38,7 +38,7 @@ from jetrl.bus import events as ev
 from jetrl.bus import ids, subjects
 from jetrl.bus.client import Batch, Bus, PullConsumer
 from jetrl.bus.log import get_logger
-from jetrl.bus.payloads import HELD_BY_WRITER, PayloadError, Payloads, PayloadStore
+from jetrl.bus.payloads import PayloadError, Payloads, PayloadStore
 from jetrl.bus.streams import payload_bucket
 from jetrl.consumers.trainer.admission import (
     GROUP_REASONS,
@@ -172,7 +172,7 @@ class Trainer:
         self.version = replayer.version
         if self.version not in log.weights:
             await self.announce_version()  # the crash came between StepCompleted and WeightsReady
-        elif self.version > 0 and getattr(self.weights_store, "kind", None) in HELD_BY_WRITER:
+        elif self.version > 0 and self.weights_store is not None and self.weights_store.held_by_writer:
             # The announced bytes died with the trainer that held them: announce them again.
             await self.announce_version(again=True)
         self.log.info(
@@ -198,7 +198,7 @@ class Trainer:
         )
         # Version 0 is where a recovery without a checkpoint starts: where it outlives the trainer.
         store = self.weights_store
-        if v == 0 and store.kind in HELD_BY_WRITER and self.payloads is not None:
+        if v == 0 and store.held_by_writer and self.payloads is not None:
             store = self.payloads.default
         ref = await store.put(f"weights-v{v}", data)
         if not again:

@@ -7,12 +7,15 @@ from __future__ import annotations
 import asyncio
 import math
 
+import pytest
+
 from jetrl.bus import events as ev
 from jetrl.bus import subjects
 from jetrl.bus.client import Bus
 from jetrl.bus.payloads import Payloads
 from jetrl.bus.settings import EnvRoute, TenantSettings
-from jetrl.consumers.inference.admission import Admission, Limits
+from jetrl.consumers.inference.admission import Admission, limits_for
+from jetrl.consumers.inference.engine import Limits, make_generation_engine
 from jetrl.consumers.inference.settings import InferencePart, InferenceSettings
 from jetrl.consumers.inference.worker import InferenceWorker
 from jetrl.policy.settings import ModelSettings
@@ -163,3 +166,28 @@ def test_the_quota_rule() -> None:
     refusal = adm.over_quota("a", pending_behind=1, held=2)
     assert refusal is not None and refusal.reason == "quota"
     assert adm.over_quota("b", pending_behind=10**6, held=10**6) is None  # no quota
+
+
+class BareEngine:
+    """Generates nothing and says neither its capacity nor its limits."""
+
+    def __init__(self, part: InferencePart, worker_id: str) -> None:
+        pass
+
+
+def test_the_limits_are_the_engines_own_else_the_models() -> None:
+    from tests.support.engines import OracleEngine
+
+    part = part_of(TenantSettings(name="a"))
+    engine = make_generation_engine(part, "inf-0")
+    assert isinstance(engine, OracleEngine)
+    assert limits_for(part, engine) == Limits(64, 256)  # no model of its own: tiny-dense's
+    engine.limits = Limits(100, 32)  # a model of its own (vLLM's max_model_len, say) wins
+    assert limits_for(part, engine) == Limits(100, 32)
+
+
+def test_an_engine_that_does_not_say_what_the_worker_reads_is_refused_by_name() -> None:
+    part = part_of(TenantSettings(name="a"))
+    part.inference.engine = f"{__name__}:BareEngine"
+    with pytest.raises(TypeError, match=r"BareEngine' lacks \['batches_in_flight', 'close'.*'limits'"):
+        make_generation_engine(part, "inf-0")

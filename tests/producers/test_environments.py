@@ -7,7 +7,7 @@ import random
 import pytest
 
 from jetrl.policy.tokenizer import CharTokenizer
-from jetrl.producers.environments import ENVIRONMENTS, make_environment
+from jetrl.producers.environments import ENVIRONMENTS, ReverseEnv, make_environment
 
 TOK = CharTokenizer()
 
@@ -76,3 +76,20 @@ def test_chainsum_is_two_turns() -> None:
     assert isinstance(final, Score) and final.reward == 1.0 and final.parts["exact"] == 1.0
     wrong = env.react(info, 1, answer_ids(str((a + b + t.info["c"] + 1) % 5)))
     assert isinstance(wrong, Score) and wrong.reward == 0.75 and wrong.parts["exact"] == 0.0
+
+
+class Countdown(ReverseEnv):
+    """An environment of the user's code: the reverse task under another name."""
+
+    name = "countdown"
+
+
+def test_an_environment_of_the_users_own_code_is_named_by_its_path() -> None:
+    env = make_environment(f"{__name__}:Countdown", TOK)
+    assert isinstance(env, Countdown)
+    task = env.make_task(random.Random(0))
+    assert env.score(task.info, answer_ids(task.info["answer"])).reward == 1.0
+    with pytest.raises(ValueError, match="not a subclass of Environment"):
+        make_environment(f"{__name__}:answer_ids", TOK)
+    with pytest.raises(ValueError, match="cannot load environment"):
+        make_environment(f"{__name__}:Missing", TOK)

@@ -18,7 +18,7 @@ from jetrl.bus import ids, subjects
 from jetrl.bus.client import Bus
 from jetrl.bus.payloads import Payloads
 from jetrl.bus.server import EmbeddedServer
-from jetrl.consumers.inference.engine import GroupRequest, Sample
+from jetrl.consumers.inference.engine import GroupRequest, Limits, Sample
 from jetrl.consumers.inference.settings import InferencePart, InferenceSettings
 from jetrl.consumers.inference.worker import InferenceWorker
 from jetrl.policy.tokenizer import CharTokenizer
@@ -139,6 +139,9 @@ class HeldOutChainSum(ChainSumEnv):
 class RuleEngine:
     """A model-free engine with a known success rate: on a first turn ``a+b=`` sample j of n is
     right iff j < a % (n + 1); a later turn (``a+b=s+c=``) is always answered right."""
+
+    batches_in_flight = 1
+    limits: Limits | None = None
 
     def __init__(self) -> None:
         self._version: int | None = None

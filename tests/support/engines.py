@@ -11,7 +11,7 @@ import numpy as np
 
 from jetrl.bus import events as ev
 from jetrl.bus.payloads import Payloads
-from jetrl.consumers.inference.engine import FinishReason, GroupRequest, Sample
+from jetrl.consumers.inference.engine import FinishReason, GroupRequest, Limits, Sample
 from jetrl.consumers.inference.settings import InferencePart
 from jetrl.policy.tokenizer import CharTokenizer
 
@@ -19,6 +19,9 @@ MODULUS = 5  # modsum's default
 
 
 class OracleEngine:
+    batches_in_flight = 1
+    limits: Limits | None = None  # no model: the worker checks tasks against [model]
+
     def __init__(self, part: InferencePart, worker_id: str) -> None:
         self.tok = CharTokenizer()
         self._version: int | None = None
