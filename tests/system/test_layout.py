@@ -1,4 +1,5 @@
-"""The layout of DESIGN.md holds: every package folder is installed, arrows point one way."""
+"""The layout holds (docs/architecture.md, "Rooms and arrows"): every package folder is installed,
+arrows point one way."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 PACKAGE_DIR: dict[str, str] = PYPROJECT["tool"]["setuptools"]["package-dir"]
 
-# Which jetrl subpackages each top-level folder may import (DESIGN.md, "Layout").
+# Which jetrl subpackages each top-level folder may import (docs/architecture.md, "Rooms and arrows").
 ALLOWED = {
     "bus": set(),
     "policy": set(),
