@@ -10,6 +10,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from jetrl.bus.streams import GiB, StreamLimits
 from jetrl.bus.subjects import check_token
 
+# [trainer] max_off_policy_steps when a config does not say: the staleness a run accepts. The
+# trainer enforces it, the producers size their groups in flight by it, the monitor alerts by it.
+MAX_OFF_POLICY_STEPS = 1
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid")

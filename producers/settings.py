@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from jetrl.bus.settings import Section
+from jetrl.bus.settings import MAX_OFF_POLICY_STEPS, Section
 from jetrl.bus.subjects import check_token
 from jetrl.policy.settings import ModelSettings
 
@@ -57,5 +57,5 @@ class ProducerPart(Section):
     env: EnvSettings = EnvSettings()
     model: ModelSettings = ModelSettings()
     groups_per_step: int = Field(8, ge=1)  # this environment's share of a trainer batch
-    max_off_policy_steps: int = Field(1, ge=0)
+    max_off_policy_steps: int = Field(MAX_OFF_POLICY_STEPS, ge=0)
     seed: int = 0

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from jetrl.bus import events as ev
+from jetrl.bus.settings import MAX_OFF_POLICY_STEPS
 from jetrl.consumers.monitor.series import AlertView, MonitorState
 from jetrl.consumers.monitor.settings import AlertSettings
-from jetrl.consumers.trainer.settings import TrainerSettings
 
 
 @dataclass(frozen=True)
@@ -33,15 +33,11 @@ class Condition:
     message: str
 
 
-# The staleness the trainer accepts when the run's config does not say: the trainer's own default.
-TRAINER_LAG: int = TrainerSettings.model_fields["max_off_policy_steps"].default
-
-
 def _version_lag(state: MonitorState, s: AlertSettings) -> int:
     if s.max_version_lag is not None:
         return s.max_version_lag
-    lag = state.config.get("trainer", {}).get("max_off_policy_steps", TRAINER_LAG)
-    return int(lag) if isinstance(lag, int | float) else TRAINER_LAG
+    lag = state.config.get("trainer", {}).get("max_off_policy_steps", MAX_OFF_POLICY_STEPS)
+    return int(lag) if isinstance(lag, int | float) else MAX_OFF_POLICY_STEPS
 
 
 def conditions(state: MonitorState, s: AlertSettings, now: float) -> Iterator[Condition]:

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from jetrl.bus.settings import EnvRoute, MooncakeSettings, Section, TenantSettings
+from jetrl.bus.settings import MAX_OFF_POLICY_STEPS, EnvRoute, MooncakeSettings, Section, TenantSettings
 from jetrl.policy.settings import ModelSettings
 
 
@@ -68,7 +68,7 @@ class TrainerSettings(Section):
     lr: float = 5e-4
     weight_decay: float = 0.0
     batch_groups: int = Field(8, ge=1)  # groups per optimizer step
-    max_off_policy_steps: int = Field(1, ge=0)
+    max_off_policy_steps: int = Field(MAX_OFF_POLICY_STEPS, ge=0)
     max_steps: int = Field(1000, ge=1)
     stop_at_reward: float | None = None  # stop once the mean reward over `reward_window` steps reaches it
     reward_window: int = Field(10, ge=1)
