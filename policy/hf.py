@@ -2,8 +2,9 @@
 state-dict adapter of the model's family (Qwen3's, Llama 3's).
 
 * :func:`read_config` turns a checkpoint's ``config.json`` into a jetrl :class:`ModelConfig`
-  (Qwen3 dense, Qwen3-MoE and Llama: Llama 3.x, SmolLM2, other ``LlamaForCausalLM``; anything
-  else, and what a family has that jetrl does not compute, is refused with what is served).
+  through the family of its architecture (policy/models/: Qwen3 dense, Qwen3-MoE and Llama:
+  Llama 3.x, SmolLM2, other ``LlamaForCausalLM``; anything else, and what a family has that jetrl
+  does not compute, is refused with what is served).
 * :func:`check_checkpoint` checks a directory before any process starts: the config, every shard
   the index names, every tensor's name and shape against what the model expects (read from the
   safetensors headers, nothing loaded), and the tokenizer files.
@@ -30,9 +31,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from jetrl.policy.models import ModelConfig
+from jetrl.policy.models import CheckpointError, ModelConfig, config_from_hf, hf_config_of
 
-ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "LlamaForCausalLM": "llama"}
+__all__ = ["CheckpointError", "check_checkpoint", "load_state", "read_config", "save_checkpoint"]
 # Files of a tokenizer that transformers' AutoTokenizer reads; tokenizer_config.json is required.
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -51,108 +52,7 @@ SINGLE = "model.safetensors"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-class CheckpointError(ValueError):
-    """A checkpoint directory jetrl cannot use; the message says what and where."""
-
-
 # ----------------------------------------------------------------------------- config
-
-
-def _get(cfg: Mapping[str, Any], *names: str, default: Any = None) -> Any:
-    for n in names:
-        if n in cfg and cfg[n] is not None:
-            return cfg[n]
-    return default
-
-
-def _rope_params(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    # transformers 5 writes rope_parameters; older checkpoints rope_scaling (null: plain RoPE).
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    return params if isinstance(params, dict) else {}
-
-
-def _rope_kind(cfg: Mapping[str, Any]) -> str:
-    params = _rope_params(cfg)
-    return str(params.get("rope_type", params.get("type", "default")))
-
-
-def _rope_theta(cfg: Mapping[str, Any], where: Path, served: tuple[str, ...] = ("default",)) -> float:
-    kind = _rope_kind(cfg)
-    if kind not in served:
-        raise CheckpointError(
-            f"{where}: rope_type {kind!r} is not supported here (jetrl serves {', '.join(served)})"
-        )
-    theta = _get(cfg, "rope_theta") or _rope_params(cfg).get("rope_theta")
-    return float(theta or 10_000.0)
-
-
-def _llama_rope_scaling(cfg: Mapping[str, Any]) -> tuple[float, float, float, int] | None:
-    if _rope_kind(cfg) != "llama3":
-        return None
-    p = _rope_params(cfg)
-    return (
-        float(p["factor"]),
-        float(p.get("low_freq_factor", 1.0)),
-        float(p.get("high_freq_factor", 4.0)),
-        int(p["original_max_position_embeddings"]),
-    )
-
-
-def config_from_hf(cfg: Mapping[str, Any], where: Path, name: str = "") -> ModelConfig:
-    """The jetrl config of an HF ``config.json``'s contents."""
-    archs = cfg.get("architectures") or []
-    arch = archs[0] if archs else ""
-    if arch not in ARCHITECTURES:
-        raise CheckpointError(
-            f"{where}: architecture {arch or '(none)'!r} is not supported; "
-            f"jetrl loads {sorted(ARCHITECTURES)}"
-        )
-    family = ARCHITECTURES[arch]
-    refuse = {
-        "attention_bias": bool(cfg.get("attention_bias")),
-        "use_sliding_window": bool(cfg.get("use_sliding_window")),
-        "hidden_act != silu": cfg.get("hidden_act", "silu") != "silu",
-        "mlp_bias": bool(cfg.get("mlp_bias")),
-        "pretraining_tp > 1": int(cfg.get("pretraining_tp") or 1) > 1,
-    }
-    moe = family == "qwen3_moe"
-    if moe:
-        refuse["mlp_only_layers (dense layers among MoE ones)"] = bool(cfg.get("mlp_only_layers"))
-        refuse["decoder_sparse_step != 1"] = int(cfg.get("decoder_sparse_step", 1)) != 1
-    bad = [k for k, v in refuse.items() if v]
-    if bad:
-        raise CheckpointError(f"{where}: not supported in a {arch}: {', '.join(bad)}")
-    dim = int(cfg["hidden_size"])
-    n_heads = int(cfg["num_attention_heads"])
-    common: dict[str, Any] = {
-        "name": name or str(cfg.get("_name_or_path") or where.name),
-        "vocab_size": int(cfg["vocab_size"]),
-        "dim": dim,
-        "n_layers": int(cfg["num_hidden_layers"]),
-        "n_heads": n_heads,
-        "n_kv_heads": int(_get(cfg, "num_key_value_heads", default=n_heads)),
-        "head_dim": int(_get(cfg, "head_dim", default=dim // n_heads)),
-        "max_seq_len": int(_get(cfg, "max_position_embeddings", default=4096)),
-        "rope_theta": _rope_theta(cfg, where, ("default", "llama3") if family == "llama" else ("default",)),
-        "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
-        "norm_eps": float(_get(cfg, "rms_norm_eps", default=1e-6)),
-    }
-    if family == "llama":
-        return ModelConfig(
-            **common,
-            dense_hidden_dim=int(cfg["intermediate_size"]),
-            family="llama",
-            llama_rope_scaling=_llama_rope_scaling(cfg),
-        )
-    if moe:
-        return ModelConfig(
-            **common,
-            num_experts=int(_get(cfg, "num_experts", "num_local_experts")),
-            top_k=int(cfg["num_experts_per_tok"]),
-            moe_hidden_dim=int(cfg["moe_intermediate_size"]),
-            route_norm=bool(cfg.get("norm_topk_prob", True)),
-        )
-    return ModelConfig(**common, dense_hidden_dim=int(cfg["intermediate_size"]))
 
 
 def read_hf_json(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -294,51 +194,6 @@ def load_state(path: str | os.PathLike[str], cfg: ModelConfig) -> dict[str, torc
 # ----------------------------------------------------------------------------- saving
 
 
-def _made_config(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
-    # ARCHITECTURES' values are transformers' model_type names.
-    model_type = "qwen3_moe" if cfg.is_moe else cfg.family
-    arch = next(a for a, t in ARCHITECTURES.items() if t == model_type)
-    out: dict[str, Any] = {
-        "architectures": [arch],
-        "model_type": model_type,
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.dim,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim,
-        "max_position_embeddings": cfg.max_seq_len,
-        "rope_theta": cfg.rope_theta,
-        "rms_norm_eps": cfg.norm_eps,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "hidden_act": "silu",
-        "attention_bias": False,
-    }
-    if cfg.is_moe:
-        out |= {
-            "num_experts": cfg.num_experts,
-            "num_experts_per_tok": cfg.top_k,
-            "moe_intermediate_size": cfg.moe_hidden_dim,
-            "intermediate_size": cfg.moe_hidden_dim,
-            "norm_topk_prob": cfg.route_norm,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [],
-        }
-    else:
-        out["intermediate_size"] = cfg.dense_hidden_dim
-    if cfg.llama_rope_scaling is not None:
-        factor, low, high, original = cfg.llama_rope_scaling
-        out["rope_scaling"] = {
-            "rope_type": "llama3",
-            "factor": factor,
-            "low_freq_factor": low,
-            "high_freq_factor": high,
-            "original_max_position_embeddings": original,
-        }
-    out["torch_dtype"] = str(dtype).removeprefix("torch.")
-    return out
-
-
 def save_checkpoint(
     directory: str | os.PathLike[str],
     tensors: Mapping[str, torch.Tensor],
@@ -392,6 +247,6 @@ def save_checkpoint(
             if (Path(source) / f).is_file():
                 shutil.copyfile(Path(source) / f, out / f)
     else:
-        config = _made_config(cfg, save_dtype)
+        config = hf_config_of(cfg, save_dtype)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     return out

@@ -1,4 +1,4 @@
-"""Where a run's model comes from: a named config of policy/models.py, initialised from a seed,
+"""Where a run's model comes from: a named config (policy/models/), initialised from a seed,
 or a Hugging Face checkpoint directory (``[model] hf_path``, policy/hf.py). The trainer and every
 inference engine take the architecture from here; the trainer also its initial weights, which it
 publishes as version 0 for the engines.
