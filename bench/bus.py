@@ -33,7 +33,8 @@ from nats.js import api
 
 from jetrl.bus import events as ev
 from jetrl.bus import subjects
-from jetrl.bus.client import Bus, ConsumerSpec
+from jetrl.bus.client import Bus
+from jetrl.bus.consumer import ConsumerSpec
 from jetrl.bus.log import configure
 from jetrl.bus.payloads import inline_array
 from jetrl.bus.server import EmbeddedServer

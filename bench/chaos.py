@@ -29,7 +29,8 @@ from typing import TypedDict
 
 from jetrl.bus import events as ev
 from jetrl.bus import subjects
-from jetrl.bus.client import Bus, ConsumerSpec
+from jetrl.bus.client import Bus
+from jetrl.bus.consumer import ConsumerSpec
 from jetrl.bus.log import configure
 from jetrl.bus.server import EmbeddedServer
 from jetrl.deploy.config import load_config

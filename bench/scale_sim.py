@@ -49,7 +49,8 @@ from load import cpu_load
 
 from jetrl.bus import events as ev
 from jetrl.bus import ids, subjects
-from jetrl.bus.client import Bus, BusError, ConsumerSpec, Publisher
+from jetrl.bus.client import Bus
+from jetrl.bus.consumer import ConsumerSpec
 from jetrl.bus.log import configure
 from jetrl.bus.payloads import (
     DEFAULT_INLINE_THRESHOLD,
@@ -60,6 +61,7 @@ from jetrl.bus.payloads import (
     Payloads,
     PayloadStore,
 )
+from jetrl.bus.publisher import BusError, Publisher
 from jetrl.bus.server import EmbeddedServer
 from jetrl.bus.streams import GiB, StreamLimits, payload_bucket
 

@@ -59,7 +59,8 @@ from nats.js import api
 from stats import pct
 
 from jetrl.bus import subjects
-from jetrl.bus.client import Bus, ConsumerSpec
+from jetrl.bus.client import Bus
+from jetrl.bus.consumer import ConsumerSpec
 from jetrl.bus.log import configure
 from jetrl.bus.server import EmbeddedServer
 from jetrl.bus.streams import StreamLimits, stream_name

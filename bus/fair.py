@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic
 
-from jetrl.bus.client import B, Delivery, PullConsumer
+from jetrl.bus.consumer import B, Delivery, PullConsumer
 from jetrl.bus.log import get_logger
 from jetrl.bus.pull import status_of
 

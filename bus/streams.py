@@ -176,7 +176,7 @@ async def ensure_tenant_view(
     tenant's own subjects (and the steps) from the run's log. A tenant reads the run through
     it, with consumers of its own, and so never holds a consumer on the run's stream nor sees
     another tenant's events. Messages keep their subjects; their sequence in the run's log is
-    in the ``Nats-Stream-Source`` header (:func:`origin_seq` in bus/client.py)."""
+    in the ``Nats-Stream-Source`` header (:func:`origin_seq` in bus/consumer.py)."""
     limits = limits or StreamLimits()
     name = view_stream_name(run_id, tenant)
     try:

@@ -21,7 +21,8 @@ import numpy as np
 
 from jetrl.bus import events as ev
 from jetrl.bus import ids, subjects
-from jetrl.bus.client import Bus, ConsumerSpec, Delivery
+from jetrl.bus.client import Bus
+from jetrl.bus.consumer import ConsumerSpec, Delivery
 from jetrl.bus.log import configure
 from jetrl.bus.payloads import ObjectStorePayloads, Payloads
 from jetrl.bus.server import EmbeddedServer

@@ -31,7 +31,7 @@ import numpy as np
 
 from jetrl.bus import events as ev
 from jetrl.bus import ids, subjects
-from jetrl.bus.client import Delivery
+from jetrl.bus.consumer import Delivery
 from jetrl.bus.log import get_logger
 from jetrl.bus.streams import stream_name
 from jetrl.producers.environments import Score, Task

@@ -37,7 +37,8 @@ import structlog
 
 from jetrl.bus import events as ev
 from jetrl.bus import ids, subjects
-from jetrl.bus.client import Bus, ConsumerSpec, Delivery, Reject, TailItem
+from jetrl.bus.client import Bus, TailItem
+from jetrl.bus.consumer import ConsumerSpec, Delivery, Reject
 from jetrl.bus.log import get_logger
 from jetrl.bus.payloads import NoPayloadStore, ObjectStorePayloads, PayloadError, Payloads, log_array
 from jetrl.bus.streams import StreamLimits, view_stream_name

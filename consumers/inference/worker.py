@@ -37,7 +37,8 @@ import structlog
 
 from jetrl.bus import events as ev
 from jetrl.bus import ids, subjects
-from jetrl.bus.client import Bus, ConsumerSpec, Delivery, keep_alive
+from jetrl.bus.client import Bus
+from jetrl.bus.consumer import ConsumerSpec, Delivery, keep_alive
 from jetrl.bus.fair import FairPuller, FairQueue, num_pending
 from jetrl.bus.log import get_logger
 from jetrl.bus.payloads import PayloadError, Payloads

@@ -33,7 +33,8 @@ from nats.js import api
 
 from jetrl.bus import events as ev
 from jetrl.bus import subjects
-from jetrl.bus.client import Batch, Bus, ConsumerSpec, PullConsumer
+from jetrl.bus.client import Bus
+from jetrl.bus.consumer import Batch, ConsumerSpec, PullConsumer
 from jetrl.bus.facts import spoofed
 from jetrl.bus.log import get_logger
 from jetrl.bus.retry import RETRYABLE, retrying

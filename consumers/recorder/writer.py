@@ -37,7 +37,7 @@ from typing import Any, Literal, Protocol
 import sqlalchemy as sa
 
 from jetrl.bus import events as ev
-from jetrl.bus.client import Delivery
+from jetrl.bus.consumer import Delivery
 from jetrl.bus.log import get_logger
 from jetrl.store.db import Store, open_store_for_writing
 from jetrl.store.projection import (

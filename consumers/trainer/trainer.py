@@ -36,7 +36,8 @@ import structlog
 
 from jetrl.bus import events as ev
 from jetrl.bus import ids, subjects
-from jetrl.bus.client import Batch, Bus, PullConsumer
+from jetrl.bus.client import Bus
+from jetrl.bus.consumer import Batch, PullConsumer
 from jetrl.bus.log import get_logger
 from jetrl.bus.payloads import PayloadError, Payloads, PayloadStore
 from jetrl.bus.streams import payload_bucket

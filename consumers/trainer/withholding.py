@@ -16,7 +16,8 @@ import asyncio
 
 from jetrl.bus import events as ev
 from jetrl.bus import ids, subjects
-from jetrl.bus.client import Bus, ConsumerSpec, Delivery
+from jetrl.bus.client import Bus
+from jetrl.bus.consumer import ConsumerSpec, Delivery
 from jetrl.bus.log import get_logger
 from jetrl.bus.streams import stream_name
 from jetrl.consumers.trainer.settings import TrainerSettings

@@ -8,7 +8,9 @@ import pytest
 
 from jetrl.bus import events as ev
 from jetrl.bus import subjects
-from jetrl.bus.client import Batch, Bus, ConsumerSpec, Delivery, PublishError, Reject
+from jetrl.bus.client import Bus
+from jetrl.bus.consumer import Batch, ConsumerSpec, Delivery, Reject
+from jetrl.bus.publisher import PublishError
 from jetrl.bus.server import EmbeddedServer
 from tests.support.catalog_samples import sample_bodies
 

@@ -6,7 +6,8 @@ import asyncio
 
 from jetrl.bus import events as ev
 from jetrl.bus import subjects
-from jetrl.bus.client import Bus, ConsumerSpec
+from jetrl.bus.client import Bus
+from jetrl.bus.consumer import ConsumerSpec
 from jetrl.bus.server import EmbeddedServer
 from tests.conftest import TEST_LIMITS
 

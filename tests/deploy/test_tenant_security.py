@@ -17,8 +17,9 @@ from nats.js import api
 
 from jetrl.bus import events as ev
 from jetrl.bus import ids, subjects
-from jetrl.bus.client import Bus, BusError
+from jetrl.bus.client import Bus
 from jetrl.bus.identity import PermissionDenied
+from jetrl.bus.publisher import BusError
 from jetrl.bus.server import EmbeddedServer
 from jetrl.bus.streams import ensure_tenant_view, stream_name, view_stream_name
 from jetrl.deploy.tenants import ADMIN, TenantRegistry

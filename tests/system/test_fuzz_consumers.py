@@ -150,7 +150,7 @@ def dead_item(kind: str, e: ev.Event, *reasons: str, subject: str | None = None)
     )
 
 
-# Transformations every consumer's edge (bus/client.py, PullConsumer._admit) must refuse,
+# Transformations every consumer's edge (bus/consumer.py, PullConsumer._admit) must refuse,
 # applied to a valid event of the consumer's input. Their parameters come from hypothesis.
 EDGE_KINDS = (
     "garbage",
