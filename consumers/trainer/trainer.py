@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +50,7 @@ from jetrl.consumers.trainer.admission import (
 )
 from jetrl.consumers.trainer.batching import fill_batch
 from jetrl.consumers.trainer.core import RolloutArrays, TrainCore, checkpoint_version, list_checkpoints
+from jetrl.consumers.trainer.groups import Group, GroupBuffer
 from jetrl.consumers.trainer.replay import Replayer, ReplayError, read_rollouts, read_run_log, trained_seqs
 from jetrl.consumers.trainer.settings import TrainerPart
 from jetrl.consumers.trainer.withholding import ScoredDelivery, rollout_consumer_spec, withheld_event
@@ -64,29 +64,6 @@ WEIGHTS_FORMATS = {"jetrl": "safetensors", "hf": "safetensors-hf"}
 READ_ERRORS = (PayloadError, ev.EventDecodeError, ValueError, TypeError)
 
 
-@dataclass
-class Group:
-    group_id: str
-    deliveries: list[ScoredDelivery] = field(default_factory=list)
-
-    @property
-    def size(self) -> int:
-        return self.deliveries[0].body.group_size
-
-    @property
-    def first_seq(self) -> int:
-        return min(d.seq for d in self.deliveries)
-
-    @property
-    def route(self) -> tuple[str, str]:
-        """(tenant, env): the environment whose batch share it fills."""
-        d = self.deliveries[0]
-        return d.event.tenant, d.body.env
-
-    def oldest_version(self) -> int:
-        return min(d.body.policy_version_start for d in self.deliveries)
-
-
 class Trainer:
     def __init__(self, bus: Bus, run_id: str, part: TrainerPart, run_dir: Path) -> None:
         self.bus = bus
@@ -98,13 +75,8 @@ class Trainer:
         self.version = 0
         self.trained: set[str] = set()
         self.withheld_ids: set[str] = set()
-        self.groups: dict[str, Group] = {}
-        # Groups with a dead-lettered member: the rest are withheld (incomplete_group).
-        self.rejected_groups: set[str] = set()
-        # Arrays of groups read and checked for a batch, until they are trained or settled.
-        self.vetted: dict[str, dict[str, RolloutArrays]] = {}
+        self.buffer = GroupBuffer({(r.tenant, r.env): r.share for r in part.envs})
         self.routes = routes_by_key(part.envs)
-        self.shares = {(r.tenant, r.env): r.share for r in part.envs}
         mcfg = model_config_of(part.model)
         replay_traces = settings.replay and mcfg.is_moe
         self.limits = ModelLimits(
@@ -134,7 +106,7 @@ class Trainer:
             self.log.info("initial_policy_published", version=0)
             return
         self.trained = log.trained_ids()
-        self.rejected_groups = await read_rejected_groups(self.bus, self.run_id)
+        self.buffer.rejected = await read_rejected_groups(self.bus, self.run_id)
         for step in sorted(log.steps)[-self.s.reward_window :]:
             self.rewards.append(log.steps[step][0].metrics.get("reward_mean", 0.0))
         replayer = Replayer(self.core, self.payloads, log)
@@ -278,7 +250,7 @@ class Trainer:
             g.deliveries.sort(key=lambda d: d.body.sample_index)
         assert self.payloads is not None
         bodies = [d.body for g in groups for d in g.deliveries]
-        read = {rid: a for g in groups for rid, a in self.vetted.pop(g.group_id, {}).items()}
+        read = self.buffer.arrays_of(groups)
         rollouts = await self.core.rollouts(bodies, self.payloads, read)
         rewards = [b.reward for b in bodies]
         stale = [self.version - b.policy_version_start for b in bodies]
@@ -304,7 +276,7 @@ class Trainer:
             trainer_idle_frac=self.wait_s / elapsed if elapsed > 0 else 0.0,
             withheld_total=float(len(self.withheld_ids)),
             groups=float(len(groups)),
-            **self.route_metrics(groups),
+            **self.buffer.route_metrics(groups),
             **{f"reward_{k}": sum(v) / len(v) for k, v in parts.items()},
         )
         rollout_ids = [d.body.rollout_id for g in groups for d in g.deliveries]
@@ -373,22 +345,19 @@ class Trainer:
         rejection = check_rollout(
             b, tenant, routes=self.routes, limits=self.limits, version=self.version, bucket=self.bucket
         )
-        g = self.groups.get(b.group_id)
+        g = self.buffer.get(b.group_id)
         if rejection is None and g is not None:
             rejection = check_member(g.deliveries[0].body, b)
         if rejection is not None:
             await self.reject(consumer, d, *rejection)
             return
-        if b.group_id in self.rejected_groups:
+        if b.group_id in self.buffer.rejected:
             await self.withhold_member(
                 d, "incomplete_group", f"group {b.group_id} has a dead-lettered member"
             )
             return
-        g = self.groups.setdefault(b.group_id, Group(b.group_id))
-        if any(x.body.rollout_id == b.rollout_id for x in g.deliveries):
+        if not self.buffer.add(d):
             await d.ack()  # the same rollout twice in the buffer (redelivery): keep one
-            return
-        g.deliveries.append(d)
 
     async def reject(
         self, consumer: PullConsumer[ev.RolloutScored], d: ScoredDelivery, reason: str, detail: str
@@ -408,10 +377,7 @@ class Trainer:
         )
         if reason not in GROUP_REASONS:
             return
-        self.rejected_groups.add(b.group_id)
-        g = self.groups.pop(b.group_id, None)
-        self.vetted.pop(b.group_id, None)
-        rest = [x for x in (g.deliveries if g else []) if x is not d]
+        rest = [x for x in self.buffer.condemn(b.group_id) if x is not d]
         if rest:
             await self.withhold(
                 Group(b.group_id, rest),
@@ -429,7 +395,7 @@ class Trainer:
         whose arrays cannot be read or hold impossible values is rejected instead of failing
         the step. True when every group passed."""
         assert self.payloads is not None
-        todo = [g for g in groups if g.group_id not in self.vetted]
+        todo = [g for g in groups if g.group_id not in self.buffer.vetted]
         with contextlib.suppress(*READ_ERRORS):  # read ahead; a failure is pinned on its rollout below
             await self.payloads.prefetch(
                 [
@@ -459,23 +425,8 @@ class Trainer:
                     break
                 read[d.body.rollout_id] = a
             else:
-                self.vetted[g.group_id] = read
+                self.buffer.vetted[g.group_id] = read
         return ok
-
-    def route_metrics(self, groups: list[Group]) -> dict[str, float]:
-        """Groups of each environment in the step, when the run has several."""
-        if len(self.shares) < 2:
-            return {}
-        out = {f"groups.{t}.{e}": 0.0 for t, e in self.shares}
-        for g in groups:
-            t, e = g.route
-            out[f"groups.{t}.{e}"] = out.get(f"groups.{t}.{e}", 0.0) + 1.0
-        return out
-
-    def ready_groups(self) -> list[Group]:
-        return sorted(
-            (g for g in self.groups.values() if len(g.deliveries) >= g.size), key=lambda g: g.first_seq
-        )
 
     async def start(self) -> PullConsumer[ev.RolloutScored]:
         """Stores, recovery from the log, and the consumer of scored rollouts."""
@@ -494,25 +445,23 @@ class Trainer:
         are ready, filled by the envs' shares. Returns whether it stepped."""
         while True:
             ready = []
-            for g in self.ready_groups():
+            for g in self.buffer.ready():
                 staleness = self.version - g.oldest_version()
                 if staleness <= self.s.max_off_policy_steps:
                     ready.append(g)
                     continue
-                del self.groups[g.group_id]
-                self.vetted.pop(g.group_id, None)
+                self.buffer.drop(g.group_id)
                 await self.withhold(
                     g, "stale", f"staleness {staleness} > max_off_policy_steps {self.s.max_off_policy_steps}"
                 )
             if len(ready) < self.s.batch_groups:
                 return False
             batch = fill_batch(
-                ready, self.s.batch_groups, self.shares, key=lambda g: g.route, rotate=self.version
+                ready, self.s.batch_groups, self.buffer.shares, key=lambda g: g.route, rotate=self.version
             )
             if not await self.vet(consumer, batch):
                 continue  # a group was rejected: fill the batch again from what is left
-            for g in batch:
-                del self.groups[g.group_id]
+            self.buffer.take(batch)
             wait = time.monotonic() - self.last_step_end
             self.wait_s += wait
             await self.step(batch, wait)
@@ -531,10 +480,9 @@ class Trainer:
             nonlocal last_beat
             await self.train_ready(consumer)
             if time.monotonic() - last_beat > self.s.ack_wait_s / 3:
-                for g in self.groups.values():
-                    for d in g.deliveries:
-                        with contextlib.suppress(Exception):
-                            await d.in_progress()
+                for d in self.buffer.held():
+                    with contextlib.suppress(Exception):
+                        await d.in_progress()
                 last_beat = time.monotonic()
             return self.done()
 
@@ -552,10 +500,9 @@ class Trainer:
             )
         # Rollouts held for groups not yet complete go back at once (not after an ack wait): to
         # a resumed trainer, or to the close-out that withholds them when the run has finished.
-        for g in self.groups.values():
-            for d in g.deliveries:
-                with contextlib.suppress(Exception):
-                    await d.nak()
+        for d in self.buffer.held():
+            with contextlib.suppress(Exception):
+                await d.nak()
         self.log.info(
             "trainer_finished",
             version=self.version,

@@ -1523,7 +1523,7 @@ class TrainerFuzz(Fuzz):
         return it.event is not None and self.withheld_of.get(it.event.event_id) == "incomplete_group"
 
     def held_seqs(self) -> set[int]:
-        return {d.seq for g in self.trainer.groups.values() for d in g.deliveries}
+        return {d.seq for d in self.trainer.buffer.held()}
 
     def held(self) -> int:
         return len(self.held_seqs())

@@ -1,0 +1,98 @@
+"""The trainer's buffer of scored rollouts by group: members held until their group is whole,
+groups condemned by a dead-lettered member, and the arrays read for a batch (vetted) until the
+batch is trained or the group settled. No bus I/O here: the trainer acks, withholds and
+dead-letters; the buffer keeps account of what it holds."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+from jetrl.consumers.trainer.core import RolloutArrays
+from jetrl.consumers.trainer.withholding import ScoredDelivery
+
+
+@dataclass
+class Group:
+    group_id: str
+    deliveries: list[ScoredDelivery] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return self.deliveries[0].body.group_size
+
+    @property
+    def first_seq(self) -> int:
+        return min(d.seq for d in self.deliveries)
+
+    @property
+    def route(self) -> tuple[str, str]:
+        """(tenant, env): the environment whose batch share it fills."""
+        d = self.deliveries[0]
+        return d.event.tenant, d.body.env
+
+    def oldest_version(self) -> int:
+        return min(d.body.policy_version_start for d in self.deliveries)
+
+
+class GroupBuffer:
+    def __init__(self, shares: Mapping[tuple[str, str], float]) -> None:
+        self.shares = dict(shares)  # (tenant, env) -> its share of a batch
+        self.groups: dict[str, Group] = {}
+        # Groups with a dead-lettered member: the rest are withheld (incomplete_group).
+        self.rejected: set[str] = set()
+        # Arrays of groups read and checked for a batch, until they are trained or settled.
+        self.vetted: dict[str, dict[str, RolloutArrays]] = {}
+
+    def get(self, group_id: str) -> Group | None:
+        return self.groups.get(group_id)
+
+    def add(self, d: ScoredDelivery) -> bool:
+        """Hold ``d`` in its group; False when its rollout is held already (a redelivery)."""
+        g = self.groups.setdefault(d.body.group_id, Group(d.body.group_id))
+        if any(x.body.rollout_id == d.body.rollout_id for x in g.deliveries):
+            return False
+        g.deliveries.append(d)
+        return True
+
+    def drop(self, group_id: str) -> Group | None:
+        """Stop holding the group (trained, withheld or condemned), and its read arrays."""
+        self.vetted.pop(group_id, None)
+        return self.groups.pop(group_id, None)
+
+    def take(self, groups: list[Group]) -> None:
+        """The groups go into a step: no longer held; their vetted arrays stay for
+        :meth:`arrays_of`."""
+        for g in groups:
+            del self.groups[g.group_id]
+
+    def arrays_of(self, groups: list[Group]) -> dict[str, RolloutArrays]:
+        """The vetted arrays of ``groups`` by rollout id, handed over once."""
+        return {rid: a for g in groups for rid, a in self.vetted.pop(g.group_id, {}).items()}
+
+    def condemn(self, group_id: str) -> list[ScoredDelivery]:
+        """The group has a dead-lettered member: its members held, which are no longer held, and
+        those still to come are refused (:attr:`rejected`)."""
+        self.rejected.add(group_id)
+        g = self.drop(group_id)
+        return g.deliveries if g else []
+
+    def ready(self) -> list[Group]:
+        """Whole groups, oldest first."""
+        return sorted(
+            (g for g in self.groups.values() if len(g.deliveries) >= g.size), key=lambda g: g.first_seq
+        )
+
+    def held(self) -> Iterator[ScoredDelivery]:
+        for g in self.groups.values():
+            yield from g.deliveries
+
+    def route_metrics(self, groups: list[Group]) -> dict[str, float]:
+        """Groups of each environment in a step, when the run has several."""
+        if len(self.shares) < 2:
+            return {}
+        out = {f"groups.{t}.{e}": 0.0 for t, e in self.shares}
+        for g in groups:
+            t, e = g.route
+            out[f"groups.{t}.{e}"] = out.get(f"groups.{t}.{e}", 0.0) + 1.0
+        return out
