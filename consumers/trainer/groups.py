@@ -96,3 +96,13 @@ class GroupBuffer:
             t, e = g.route
             out[f"groups.{t}.{e}"] = out.get(f"groups.{t}.{e}", 0.0) + 1.0
         return out
+
+
+def share_without_signal(rewards_by_group: list[list[float]]) -> float:
+    """The share of groups whose rewards are all equal: their group-relative advantages are all
+    zero, so they teach the step nothing (a policy whose samples have collapsed onto one answer,
+    or a task too easy or too hard for it)."""
+    if not rewards_by_group:
+        return 0.0
+    flat = sum(1 for rs in rewards_by_group if max(rs) - min(rs) == 0.0)
+    return flat / len(rewards_by_group)

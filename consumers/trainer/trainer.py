@@ -50,7 +50,7 @@ from jetrl.consumers.trainer.admission import (
 )
 from jetrl.consumers.trainer.batching import fill_batch
 from jetrl.consumers.trainer.core import RolloutArrays, TrainCore, checkpoint_version, list_checkpoints
-from jetrl.consumers.trainer.groups import Group, GroupBuffer
+from jetrl.consumers.trainer.groups import Group, GroupBuffer, share_without_signal
 from jetrl.consumers.trainer.replay import Replayer, ReplayError, read_rollouts, read_run_log, trained_seqs
 from jetrl.consumers.trainer.settings import TrainerPart
 from jetrl.consumers.trainer.withholding import ScoredDelivery, rollout_consumer_spec, withheld_event
@@ -276,6 +276,7 @@ class Trainer:
             trainer_idle_frac=self.wait_s / elapsed if elapsed > 0 else 0.0,
             withheld_total=float(len(self.withheld_ids)),
             groups=float(len(groups)),
+            groups_no_signal=share_without_signal([[d.body.reward for d in g.deliveries] for g in groups]),
             **self.buffer.route_metrics(groups),
             **{f"reward_{k}": sum(v) / len(v) for k, v in parts.items()},
         )

@@ -14,6 +14,7 @@ from jetrl.bus.client import Bus
 from jetrl.bus.payloads import inline_array
 from jetrl.bus.settings import EnvRoute
 from jetrl.consumers.trainer.batching import fill_batch, split_slots
+from jetrl.consumers.trainer.groups import share_without_signal
 from jetrl.consumers.trainer.settings import TrainerPart, TrainerSettings
 from jetrl.consumers.trainer.trainer import Trainer
 
@@ -147,4 +148,11 @@ async def test_a_trainer_fills_batches_by_share_and_never_waits_for_a_slow_tenan
         "code.globex.1",
     ]
     assert steps[0].metrics["groups.acme.math"] == 2 and steps[0].metrics["groups.globex.code"] == 2
+    assert steps[0].metrics["groups_no_signal"] == 0.0  # each group's rewards are 0 and 1
     assert steps[1].metrics["groups.acme.math"] == 4 and steps[1].metrics["groups.globex.code"] == 0
+
+
+def test_the_share_of_groups_without_signal_counts_those_whose_rewards_are_all_equal() -> None:
+    assert share_without_signal([[0.0, 1.0], [1.0, 1.0], [0.0, 0.0], [0.5, 0.5, 0.25]]) == 0.5
+    assert share_without_signal([[0.3, 0.3]]) == 1.0
+    assert share_without_signal([]) == 0.0
