@@ -265,18 +265,12 @@ class InferenceWorker:
                 np.asarray(t.prompt_tokens, dtype=np.int32),
                 inline_threshold=self.inline_bytes(d.event.tenant),
             )
-            # The samples' arrays go to the store side by side (a routing trace is large); the
-            # events then go out in sample order.
-            events = await asyncio.gather(
-                *(
-                    self._completion_event(
+            for i, g in enumerate(samples):
+                await pub.publish(
+                    await self._completion_event(
                         d.event, t, i, g, prompt, version, queued, gen_s, load_wait, attempt=d.num_delivered
                     )
-                    for i, g in enumerate(samples)
                 )
-            )
-            for event, g in zip(events, samples, strict=True):
-                await pub.publish(event)
                 self.stats["samples"] += 1
                 self.stats["tokens"] += len(g.completion_tokens)
             self.stats["tasks"] += 1
