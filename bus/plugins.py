@@ -1,5 +1,6 @@
 """Plugins: the object a setting names, a built-in by its short name or anything importable as
-``package.module:attr``. A leaf module (nothing of jetrl's), so any layer can use it."""
+``package.module:attr``. A leaf module (nothing of jetrl's): every room that may import bus/ uses
+it. policy/ may not (tests/system/test_layout.py), so its tokenizers are still chosen by name."""
 
 from __future__ import annotations
 
