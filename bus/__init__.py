@@ -8,6 +8,6 @@
 - payloads: the claim-check for large arrays (object store, shared filesystem)
 - server:   a private nats-server for the embedded default and the tests
 - log:      structlog configuration
-- runtime:  process plumbing: signals, the part entry point, loading a named engine
+- runtime:  process plumbing: signals, the part entry point
 - settings: the ``[bus]`` section and the base of every settings section
 """

@@ -348,6 +348,7 @@ class Bus:
         idle_timeout: float | None = None,
         to_head: bool = False,
         stream: str | None = None,
+        types: frozenset[str] | None = None,
     ) -> AsyncIterator[TailItem]:
         """Read the run's log in order from ``from_seq`` (default: the start), forever, until
         ``idle_timeout`` seconds pass with nothing new, or (``to_head``) until it has caught up
@@ -355,7 +356,9 @@ class Bus:
         reader, at once when nothing matches. Undecodable messages are yielded with ``error``
         set rather than skipped, so a reader sees the whole log. ``stream``: read a tenant's
         view instead (items then carry their sequence in the run's log; ``from_seq`` is the
-        view's)."""
+        view's). ``types``: only events of these types, the others passed over by their type
+        header without being decoded (a subject that carries large events beside the few a
+        reader wants)."""
         subject = filter_subject or subjects.all_subjects(run_id)
         queue: asyncio.Queue[Msg] = asyncio.Queue(maxsize=10_000)
 
@@ -397,11 +400,13 @@ class Bus:
                     return
                 meta = msg.metadata
                 seq = origin_seq(msg) if view else meta.sequence.stream
-                try:
-                    item = TailItem(seq, msg.subject, ev.decode_event(msg.data, msg.headers), None)
-                except ev.EventDecodeError as exc:
-                    item = TailItem(seq, msg.subject, None, exc)
-                yield item
+                kind = msg.headers.get(ev.HEADER_TYPE) if msg.headers else None
+                if types is None or kind is None or kind in types:
+                    try:
+                        item = TailItem(seq, msg.subject, ev.decode_event(msg.data, msg.headers), None)
+                    except ev.EventDecodeError as exc:
+                        item = TailItem(seq, msg.subject, None, exc)
+                    yield item
                 if to_head and meta.num_pending == 0:
                     return
         finally:

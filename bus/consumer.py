@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 B = TypeVar("B", bound=ev.EventBody)  # the event body a consumer takes
-# A delivery only hands its body out, so a Delivery[RolloutScored] is a Delivery[EventBody].
+# A delivery only hands its body out, so a Delivery[RolloutsScored] is a Delivery[EventBody].
 B_co = TypeVar("B_co", bound=ev.EventBody, covariant=True)
 
 

@@ -21,22 +21,24 @@ __all__ = [
     "CATALOG",
     "AlertRaised",
     "ArrayRef",
+    "Completion",
+    "CompletionsGenerated",
     "DeadLettered",
     "EvaluationReported",
     "Event",
     "EventBody",
     "EventDecodeError",
-    "GenerationCompleted",
     "GenerationTimings",
     "InlineArray",
     "MalformedEvent",
     "PayloadRef",
     "PolicyVersionPublished",
-    "RolloutScored",
     "RolloutWithheld",
+    "RolloutsScored",
     "RunFinished",
     "RunResumed",
     "RunStarted",
+    "ScoredRollout",
     "StepCompleted",
     "TaskSubmitted",
     "UnknownEventType",
@@ -100,9 +102,12 @@ class PayloadRef(msgspec.Struct, frozen=True, tag="ref"):
 
 
 class LogArray(msgspec.Struct, frozen=True, tag="log"):
-    """An array already in this run's log: field ``field`` (an inline array) of the event at
-    stream sequence ``seq``. A scored rollout refers to its generation's arrays this way instead
-    of carrying a second copy; ``dtype`` and ``shape`` are the array's, as there."""
+    """An array already in this run's log: at ``field`` of the body of the event at stream
+    sequence ``seq``, an inline array, or a list of token ids read as ``dtype``. ``field`` is a
+    dotted path into the body: ``prompt_tokens`` (a task's), ``samples.3.logprobs`` (a sample
+    of a CompletionsGenerated). Scored rollouts refer to their generation's arrays this way,
+    and generations to their task's prompt, instead of carrying copies; ``dtype`` and
+    ``shape`` are the array's, as there."""
 
     seq: int
     field: str
@@ -210,51 +215,48 @@ class GenerationTimings(msgspec.Struct, frozen=True, omit_defaults=True):
     load_wait_s: float = 0.0
 
 
-class GenerationCompleted(EventBody, frozen=True):
-    """One completion of a task. ``logprobs`` are the inference logprobs of the sampled
-    tokens (float32, one per completion token); ``routing_trace`` is
-    ``[tokens, moe_layers, top_k]`` uint8/uint16 over prompt+completion tokens (MoE only)."""
+class Completion(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One sample of a task: its completion token ids (int32), the inference logprobs of the
+    sampled tokens (float32, one per completion token, under the distribution they were drawn
+    from) and, for MoE models, its Router Replay trace ``[prompt + completion - 1, moe_layers,
+    top_k]`` (uint8, uint16 past 256 experts)."""
 
-    TYPE: ClassVar[str] = "GenerationCompleted"
     generation_id: str
-    task_id: str
-    env: str
-    group_id: str
     sample_index: int
-    group_size: int
-    prompt_tokens: ArrayRef
     completion_tokens: ArrayRef
     logprobs: ArrayRef
+    finish_reason: Literal["stop", "length", "error"] = "stop"
+    routing_trace: ArrayRef | None = None
+
+
+class CompletionsGenerated(EventBody, frozen=True):
+    """A task's samples, generated together under one policy version: one event per task, as
+    the task asked for them (``group_size`` samples of a first turn; one of an episode's later
+    turn). ``prompt_tokens`` is the task's prompt, usually referred to where it lies in the log
+    (its TaskSubmitted's ``prompt_tokens``), so the log holds it once."""
+
+    TYPE: ClassVar[str] = "CompletionsGenerated"
+    task_id: str
+    env: str
+    prompt_tokens: ArrayRef
+    samples: list[Completion]
     policy_version_start: int
     policy_version_end: int
     worker_id: str
-    finish_reason: Literal["stop", "length", "error"] = "stop"
-    routing_trace: ArrayRef | None = None
     timings: GenerationTimings = GenerationTimings()
     episode_id: str = ""
     turn: int = 0
 
 
-class RolloutScored(EventBody, frozen=True):
-    """A scored completion: the unit the trainer consumes. Its arrays are its generation's: a
-    payload reference is copied, an inline array is referred to where it lies in the log
-    (:class:`LogArray`, from schema version 2 on), so the log holds each array once.
+class ScoredRollout(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One scored rollout of a :class:`RolloutsScored`. A multi-turn episode is one rollout:
+    ``completion_tokens`` holds every model turn and the environment's replies in order,
+    ``completion_mask`` (uint8, 1 = model token) tells them apart, and ``logprobs`` is 0 on
+    environment tokens."""
 
-    A multi-turn episode is one rollout: ``completion_tokens`` holds every model turn and the
-    environment's replies in order, ``completion_mask`` (uint8, 1 = model token) tells them
-    apart, and ``logprobs`` is 0 on environment tokens."""
-
-    TYPE: ClassVar[str] = "RolloutScored"
-    SCHEMA_VERSION: ClassVar[int] = 2  # 2: arrays may be LogArray references
     rollout_id: str
-    generation_event_id: str
-    task_id: str
-    env: str
-    group_id: str
     sample_index: int
-    group_size: int
     reward: float
-    prompt_tokens: ArrayRef
     completion_tokens: ArrayRef
     logprobs: ArrayRef
     policy_version_start: int
@@ -263,6 +265,23 @@ class RolloutScored(EventBody, frozen=True):
     routing_trace: ArrayRef | None = None
     completion_mask: ArrayRef | None = None
     turns: int = 1
+
+
+class RolloutsScored(EventBody, frozen=True):
+    """Scored rollouts of one group: the unit the trainer consumes. A single-turn task's samples
+    are scored together, so one event holds its whole group; an episode of a multi-turn
+    environment ends on its own (one rollout an event). The arrays are the generation's: an
+    inline one is referred to where it lies in the log (:class:`LogArray`), a payload reference
+    is copied, so the log holds each array once."""
+
+    TYPE: ClassVar[str] = "RolloutsScored"
+    generation_event_id: str  # the CompletionsGenerated scored (an episode's: its last turn's)
+    task_id: str  # the group's first task
+    env: str
+    group_id: str
+    group_size: int
+    prompt_tokens: ArrayRef  # the group's (an episode's: its first prompt)
+    rollouts: list[ScoredRollout]
 
 
 class RolloutWithheld(EventBody, frozen=True):
@@ -310,15 +329,20 @@ class PolicyVersionPublished(EventBody, frozen=True):
 
 class WeightsReady(EventBody, frozen=True):
     """The bytes of a policy version are readable at ``location``; ``weights_checksum`` is the
-    content checksum of the tensors (layout independent), ``location.sha256`` that of the bytes."""
+    content checksum of the tensors (layout independent). ``blake3`` (schema 2) is the bytes'
+    transfer digest, taken by the trainer as it wrote them, and the check a reader makes of
+    them (docs/events.md); ``location.sha256`` is then empty unless the store hashed the bytes
+    anyway (the object store). Without it (schema 1), ``location.sha256`` is the bytes' check."""
 
     TYPE: ClassVar[str] = "WeightsReady"
+    SCHEMA_VERSION: ClassVar[int] = 2  # 2: blake3
     version: int
     location: PayloadRef
     weights_checksum: str
     # "safetensors": jetrl's tensors (torchtitan names, grouped experts); "safetensors-hf":
     # Hugging Face names and per-expert tensors. The checksum is the canonical tensors' in both.
     format: str = "safetensors"
+    blake3: str | None = None
 
 
 class WeightsLoaded(EventBody, frozen=True):
@@ -404,8 +428,8 @@ CATALOG: dict[str, type[EventBody]] = {
         RunResumed,
         RunFinished,
         TaskSubmitted,
-        GenerationCompleted,
-        RolloutScored,
+        CompletionsGenerated,
+        RolloutsScored,
         RolloutWithheld,
         StepCompleted,
         PolicyVersionPublished,

@@ -40,10 +40,17 @@ def foreign_id(event: ev.Event) -> str | None:
     if env is None or isinstance(b, ev.EvaluationReported):
         return None
     prefix = ids.task_prefix(env, event.tenant)
-    for name in _ENTITY_IDS:
-        value = getattr(b, name, None)
-        if value is not None and not value.startswith(prefix):
-            return f"{name} {value!r} is not of environment {env!r} of tenant {event.tenant!r}"
+    # The ids of a generation's samples and of a group's rollouts are entity ids too.
+    members: tuple[object, ...] = ()
+    if isinstance(b, ev.CompletionsGenerated):
+        members = tuple(b.samples)
+    elif isinstance(b, ev.RolloutsScored):
+        members = tuple(b.rollouts)
+    for holder in (b, *members):
+        for name in _ENTITY_IDS:
+            value = getattr(holder, name, None)
+            if isinstance(value, str) and not value.startswith(prefix):
+                return f"{name} {value!r} is not of environment {env!r} of tenant {event.tenant!r}"
     return None
 
 

@@ -98,9 +98,9 @@ def task_event_id(run_id: str, task: str) -> str:
     return derived_id(run_id, f"task/{task}")
 
 
-def generation_event_id(run_id: str, task_event_id: str, sample_index: int) -> str:
-    """From the task's event id: a task redelivered to another worker yields the same ids."""
-    return derived_id(run_id, f"gen/{task_event_id}/{sample_index}")
+def generation_event_id(run_id: str, task_event_id: str) -> str:
+    """From the task's event id: a task redelivered to another worker yields the same id."""
+    return derived_id(run_id, f"gen/{task_event_id}")
 
 
 def scored_event_id(run_id: str, generation_event_id: str) -> str:

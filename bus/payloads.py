@@ -4,12 +4,17 @@ An array is raw little-endian bytes plus dtype and shape. Below ``inline_thresho
 travels inside the event (:class:`~jetrl.bus.events.InlineArray`); above, it goes to a payload
 store and the event carries a :class:`~jetrl.bus.events.PayloadRef` (store, bucket, name,
 size, SHA-256). Reading a reference always verifies the hash and raises
-:class:`PayloadIntegrityError` on mismatch.
+:class:`PayloadIntegrityError` on mismatch. Weights are read by :meth:`Payloads.get_weights`:
+straight into the buffer the caller loads from, checked once, as they land, against their
+WeightsReady's transfer digest (BLAKE3).
 
-Stores implement :class:`PayloadStore`; the event format does not change with the store. Built
-in: the run's JetStream Object Store bucket (default) and a shared filesystem directory; and
-``mooncake`` (bus/mooncake.py): bytes held by their writer, pulled by readers over Mooncake's
-transfer engine, for weights and routing traces when ``[bus]`` says so. A third kind of reference,
+Stores implement :class:`PayloadStore`; the event format does not change with the store. A
+store is a plugin of the registry (jetrl/plugins.py, ``PAYLOAD_STORES``), named by the kind its
+references carry: a class whose ``open(site)`` opens it where a process needs it
+(:class:`StoreKind`), and whose checks, if it registers any, ``check`` the ``[bus]`` section.
+Built in: the run's JetStream Object Store bucket (where arrays go), a shared filesystem
+directory, and ``mooncake`` (bus/mooncake.py): bytes held by their writer, pulled by readers over
+Mooncake's transfer engine, for weights and routing traces when ``[bus]`` says so. A third kind of reference,
 :class:`~jetrl.bus.events.LogArray`, names an inline array already in the run's log (a scored
 rollout's arrays are its generation's); :class:`LogArrays` reads them by stream sequence.
 """
@@ -21,20 +26,25 @@ import base64
 import contextlib
 import hashlib
 import io
+import math
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
 import nats.js.errors
 import numpy as np
+from blake3 import blake3
 from nats.js.object_store import ObjectStore
 
 from jetrl.bus import events as ev
 from jetrl.bus.log import get_logger
 from jetrl.bus.retry import retrying
-from jetrl.bus.settings import MooncakeSettings
+from jetrl.bus.settings import BusSettings
 from jetrl.bus.streams import payload_bucket, stored_message, stream_name
+from jetrl.plugins import PAYLOAD_STORES
 
 log = get_logger(__name__)
 
@@ -77,7 +87,7 @@ def array_from_bytes(dtype: str, shape: tuple[int, ...], data: bytes | memoryvie
     if dtype == "bfloat16":
         raise PayloadError("bfloat16 arrays are read with torch (policy/), not numpy")
     dt = np.dtype(dtype).newbyteorder("<")
-    expected = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    expected = math.prod(shape) * dt.itemsize  # Python ints: never overflows, and cheap
     if len(data) != expected:
         raise PayloadIntegrityError(f"array of {dtype}{list(shape)} needs {expected} bytes, got {len(data)}")
     return np.frombuffer(data, dtype=dt).reshape(shape)
@@ -85,6 +95,9 @@ def array_from_bytes(dtype: str, shape: tuple[int, ...], data: bytes | memoryvie
 
 def sha256(data: Buffer) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+_sha256 = sha256  # for the stores, whose put has an argument of that name
 
 
 # --------------------------------------------------------------------------- stores
@@ -114,11 +127,15 @@ class _BufferReader(io.BufferedIOBase):
 
 
 class _BufferWriter(io.BufferedIOBase):
-    """Chunks written in place into a buffer of the size expected (more is an error)."""
+    """Chunks written in place into a buffer of the size expected (more is an error), or into
+    ``into``; ``progress(bytes written so far)`` after each."""
 
-    def __init__(self, size: int) -> None:
-        self._buf = bytearray(size)
+    def __init__(
+        self, size: int, into: memoryview | None = None, progress: Callable[[int], None] | None = None
+    ) -> None:
+        self._buf: bytearray | memoryview = bytearray(size) if into is None else into
         self._pos = 0
+        self._progress = progress
 
     def writable(self) -> bool:
         return True
@@ -129,7 +146,13 @@ class _BufferWriter(io.BufferedIOBase):
             raise PayloadIntegrityError(f"more than the {len(self._buf)} bytes expected")
         self._buf[self._pos : self._pos + n] = b
         self._pos += n
+        if self._progress is not None:
+            self._progress(self._pos)
         return n
+
+    @property
+    def written(self) -> int:
+        return self._pos
 
     def value(self) -> bytes:
         """What was written (shorter than expected if the object is; the reader checks)."""
@@ -143,13 +166,56 @@ class PayloadStore(Protocol):
     # restarted writer must put them again, and what outlives it goes to another store.
     held_by_writer: bool
 
-    async def put(self, name: str, data: Buffer) -> ev.PayloadRef: ...
+    async def put(self, name: str, data: Buffer, *, sha256: bool = True) -> ev.PayloadRef:
+        """Store ``data`` under ``name``. ``sha256=False``: the caller has the bytes checked
+        another way (a WeightsReady's ``blake3``), so the reference's ``sha256`` is left empty
+        where it would cost a pass over the bytes of its own. A read-only buffer is never
+        changed by its owner: a store may keep it as it is."""
+        ...
 
     async def get_bytes(self, ref: ev.PayloadRef) -> bytes: ...
+
+    async def read_into(self, ref: ev.PayloadRef, out: memoryview, progress: Callable[[int], None]) -> bool:
+        """Read the ``ref.size`` bytes of ``ref`` into ``out`` (of that size), calling
+        ``progress(n)`` each time the first ``n`` bytes are in place (from a worker thread).
+        Returns whether the store itself checked the bytes against ``ref.sha256`` (the
+        object store does, as it reads, and tells no progress); if not, the caller checks them.
+        A missing object raises :class:`PayloadMissing`, one of another size
+        :class:`PayloadIntegrityError`."""
+        ...
 
     async def discard(self, name: str) -> None:
         """The writer no longer needs ``name`` (a policy version past its retention): the store
         may drop it. A name that is not there is no error."""
+        ...
+
+
+@dataclass(frozen=True)
+class StoreSite:
+    """Where a process opens the run's payload stores: the run, the kinds its ``[bus]`` writes
+    to, the run's shared directory (None: this process has none) and ``[bus]`` itself, each
+    store reading its own section."""
+
+    js: nats.js.JetStreamContext
+    run_id: str
+    bus: BusSettings
+    directory: Path | None = None
+
+    @property
+    def bucket(self) -> str:
+        return payload_bucket(self.run_id)
+
+    @property
+    def uses(self) -> frozenset[str]:
+        return frozenset({self.bus.weights_store, self.bus.traces_store})
+
+
+class StoreKind(Protocol):
+    """What the registry names for a payload store (a class, or any object with ``open``)."""
+
+    async def open(self, site: StoreSite) -> PayloadStore | None:
+        """The store, as this process uses it at ``site``; None where it has nothing to follow
+        here (a reader opens every store it may meet a reference of)."""
         ...
 
 
@@ -164,6 +230,10 @@ class ObjectStorePayloads:
         self.bucket = bucket
 
     @classmethod
+    async def open(cls, site: StoreSite) -> ObjectStorePayloads:
+        return await cls.for_run(site.js, site.run_id)
+
+    @classmethod
     async def for_run(cls, js: nats.js.JetStreamContext, run_id: str) -> ObjectStorePayloads:
         bucket = payload_bucket(run_id)
         try:
@@ -172,7 +242,7 @@ class ObjectStorePayloads:
             raise PayloadError(f"payload bucket {bucket} does not exist; call Bus.ensure_run first") from None
         return cls(obj, bucket)
 
-    async def put(self, name: str, data: Buffer) -> ev.PayloadRef:
+    async def put(self, name: str, data: Buffer, *, sha256: bool = True) -> ev.PayloadRef:
         # Retried through a leader election of the bucket's stream (a fresh reader each time).
         info = await retrying(
             f"put {self.bucket}/{name}",
@@ -208,6 +278,39 @@ class ObjectStorePayloads:
             ) from None
         return into.value()
 
+    async def read_into(self, ref: ev.PayloadRef, out: memoryview, progress: Callable[[int], None]) -> bool:
+        async def read() -> None:
+            info = await self.obj.get_info(ref.name)
+            if info.size != ref.size:
+                raise PayloadIntegrityError(
+                    f"payload {ref.bucket}/{ref.name} holds {info.size} bytes, the reference {ref.size}"
+                )
+            assert info.digest is not None
+            digest = base64.urlsafe_b64decode(info.digest.split("=", 1)[1]).hex()
+            if digest != ref.sha256:
+                raise PayloadIntegrityError(
+                    f"payload {ref.bucket}/{ref.name} is not the object the reference names "
+                    f"(SHA-256 {digest}, the reference {ref.sha256 or 'none'})"
+                )
+            # nats-py hashes the chunks as they come and compares with the object's digest: that
+            # is the check, so progress is not told (the caller would hash them a second time).
+            into = _BufferWriter(ref.size, out)
+            await self.obj.get(ref.name, writeinto=into)
+            if into.written != ref.size:
+                raise PayloadIntegrityError(
+                    f"payload {ref.bucket}/{ref.name}: read {into.written} of {ref.size} bytes"
+                )
+
+        try:
+            await retrying(f"get {ref.bucket}/{ref.name}", read)
+        except nats.js.errors.ObjectNotFoundError:
+            raise PayloadMissing(f"payload {ref.bucket}/{ref.name} not found") from None
+        except nats.js.errors.DigestMismatchError as exc:
+            raise PayloadIntegrityError(
+                f"payload {ref.bucket}/{ref.name} corrupted in the store: {exc}"
+            ) from None
+        return True
+
     async def discard(self, name: str) -> None:
         gone = (
             nats.js.errors.NotFoundError,
@@ -228,15 +331,32 @@ class FilePayloads:
         self.root = Path(root)
         self.bucket = bucket
 
+    @classmethod
+    async def open(cls, site: StoreSite) -> FilePayloads | None:
+        """Where the run has a shared directory (a reader may meet weights written there)."""
+        if site.directory is None:
+            if cls.kind in site.uses:
+                raise PayloadError(f"the {cls.kind!r} payload store needs the run's shared directory")
+            return None
+        return cls(site.directory, site.bucket)
+
+    @classmethod
+    def check(cls, bus: BusSettings) -> None:
+        if bus.traces_store == cls.kind:
+            raise ValueError(
+                f"[bus] traces_store = {cls.kind!r}: routing traces do not go to the shared directory "
+                "(nothing there discards them)"
+            )
+
     def _path(self, name: str) -> Path:
         if "/" in name or name.startswith(".") or "\\" in name:
             raise PayloadError(f"payload name {name!r} must be a plain file name")
         return self.root / self.bucket / name
 
-    async def put(self, name: str, data: Buffer) -> ev.PayloadRef:
+    async def put(self, name: str, data: Buffer, *, sha256: bool = True) -> ev.PayloadRef:
         path = self._path(name)
         await asyncio.to_thread(_atomic_write, path, data)
-        return _ref(self, name, data, sha256(data))
+        return _ref(self, name, data, _sha256(data) if sha256 else "")
 
     async def get_bytes(self, ref: ev.PayloadRef) -> bytes:
         path = self._path(ref.name)
@@ -245,8 +365,33 @@ class FilePayloads:
         except FileNotFoundError:
             raise PayloadMissing(f"payload {path} not found") from None
 
+    async def read_into(self, ref: ev.PayloadRef, out: memoryview, progress: Callable[[int], None]) -> bool:
+        path = self._path(ref.name)
+        try:
+            await asyncio.to_thread(_read_file_into, path, out, progress)
+        except FileNotFoundError:
+            raise PayloadMissing(f"payload {path} not found") from None
+        return False
+
     async def discard(self, name: str) -> None:
         await asyncio.to_thread(self._path(name).unlink, missing_ok=True)
+
+
+_READ_PIECE = 8 << 20  # a file is read, and its progress told, this much at a time
+
+
+def _read_file_into(path: Path, out: memoryview, progress: Callable[[int], None]) -> None:
+    with path.open("rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size != out.nbytes:
+            raise PayloadIntegrityError(f"payload {path} holds {size} bytes, the reference {out.nbytes}")
+        got = 0
+        while got < size:
+            n = f.readinto(out[got : got + _READ_PIECE])
+            if not n:
+                raise PayloadIntegrityError(f"payload {path} ended after {got} of {size} bytes")
+            got += n
+            progress(got)
 
 
 class NoPayloadStore:
@@ -256,7 +401,7 @@ class NoPayloadStore:
     kind = "none"
     held_by_writer = False
 
-    async def put(self, name: str, data: Buffer) -> ev.PayloadRef:
+    async def put(self, name: str, data: Buffer, *, sha256: bool = True) -> ev.PayloadRef:
         raise PayloadError(
             f"{name}: {len(data)} bytes is past what an event carries here, and there is no payload store"
         )
@@ -265,6 +410,9 @@ class NoPayloadStore:
         raise PayloadError(
             f"payload {ref.bucket}/{ref.name} is in the run's payload store, which this identity cannot read"
         )
+
+    async def read_into(self, ref: ev.PayloadRef, out: memoryview, progress: Callable[[int], None]) -> bool:
+        return bool(await self.get_bytes(ref))  # refused
 
     async def discard(self, name: str) -> None:
         return None  # it holds nothing
@@ -283,6 +431,60 @@ def _atomic_write(path: Path, data: Buffer) -> None:
         f.flush()
         os.fsync(f.fileno())
     tmp.replace(path)
+
+
+class ReceiveBuffer:
+    """Where a reader receives weights, version after version: the same memory while the size
+    stays (weights keep theirs), so only the first version faults its pages in. Reuse is safe
+    once the tensors of the previous version are no longer used (a worker has loaded them into
+    its model); memory a read was abandoned in is never handed out again."""
+
+    def __init__(self) -> None:
+        self._buf: np.ndarray | None = None
+
+    def __call__(self, size: int) -> memoryview:
+        buf = self._buf
+        if buf is None or buf.size != size:
+            buf = self._buf = np.empty(size, dtype=np.uint8)
+        return buf.data
+
+    def drop(self) -> None:
+        """Let the memory go (after a failed read, which may have abandoned it)."""
+        self._buf = None
+
+
+class WeightsDigest:
+    """A weights buffer's transfer digest (WeightsReady ``blake3``, policy/weights.py's
+    ``transfer_digest``), taken while the bytes land in ``buf`` in order: BLAKE3 of the bytes
+    after the safetensors header, then of the header (its 8-byte length and the header itself),
+    the order in which the trainer writes them. ``progress(n)``: the first ``n`` bytes are in."""
+
+    def __init__(self, buf: memoryview) -> None:
+        self.buf = buf
+        self.size = buf.nbytes
+        self._h = blake3()
+        self._start: int | None = None  # where the header ends
+        self._done = 0  # hashed up to here
+
+    def progress(self, upto: int) -> None:
+        if self._start is None:
+            if upto < min(8, self.size):
+                return
+            n = int.from_bytes(self.buf[:8], "little") if self.size >= 8 else self.size
+            self._start = self._done = min(8 + n, self.size)
+        if upto > self._done:
+            self._h.update(self.buf[self._done : upto])
+            self._done = upto
+
+    def verify(self, expected: str, where: str) -> None:
+        self.progress(self.size)
+        assert self._start is not None
+        self._h.update(self.buf[: self._start])
+        got = self._h.hexdigest()
+        if got != expected:
+            raise PayloadIntegrityError(
+                f"payload {where}: BLAKE3 {got} does not match the announced {expected}"
+            )
 
 
 class LogArrays:
@@ -326,29 +528,83 @@ class LogArrays:
             raise PayloadIntegrityError(
                 f"{self.stream} sequence {ref.seq} is event {event.event_id}, not the expected {of_event}"
             )
-        found = getattr(event.body, ref.field, None)
-        if not isinstance(found, ev.InlineArray) or (found.dtype, found.shape) != (ref.dtype, ref.shape):
-            raise PayloadIntegrityError(
-                f"{self.stream} sequence {ref.seq} ({event.type}) has no {ref.dtype}{list(ref.shape)} "
-                f"array in {ref.field!r}"
-            )
-        return array_from_bytes(found.dtype, found.shape, found.data)
+        found = _at_path(event.body, ref.field)
+        what = f"{self.stream} sequence {ref.seq} ({event.type})"
+        if isinstance(found, ev.InlineArray) and (found.dtype, found.shape) == (ref.dtype, ref.shape):
+            return array_from_bytes(found.dtype, found.shape, found.data)
+        if (
+            isinstance(found, list)
+            and _is_token_list(found)
+            and ref.dtype in _TOKEN_LIST_DTYPES
+            and ref.shape == (len(found),)
+        ):
+            try:
+                return np.asarray(found, dtype=ref.dtype)
+            except OverflowError:
+                raise PayloadIntegrityError(f"{what}: {ref.field!r} does not fit {ref.dtype}") from None
+        raise PayloadIntegrityError(f"{what} has no {ref.dtype}{list(ref.shape)} array at {ref.field!r}")
+
+
+# A list of token ids in a body (a task's prompt) is read as an array of one of these.
+_TOKEN_LIST_DTYPES = frozenset({"int32", "int64"})
+
+
+def _is_token_list(value: list[object]) -> bool:
+    return all(type(x) is int for x in value)
+
+
+def _at_path(body: object, path: str) -> object:
+    """What a LogArray's dotted ``path`` names in a body: attribute names, and list indexes
+    where the value is a list (``samples.3.logprobs``); None where nothing is."""
+    value: object = body
+    for part in path.split("."):
+        if isinstance(value, list):
+            if not part.isdigit() or int(part) >= len(value):
+                return None
+            value = value[int(part)]
+        elif isinstance(value, msgspec.Struct) and not part.startswith("_"):
+            value = getattr(value, part, None)
+        else:
+            return None
+    return value
 
 
 def log_array(seq: int, field: str, arr: ev.ArrayRef) -> ev.ArrayRef:
-    """A reference to ``arr``, field ``field`` of the event at ``seq``, if it lies there inline;
-    other references are returned as they are (they point at their own bytes already)."""
+    """A reference to ``arr``, at ``field`` (a dotted path) of the event at ``seq``, if it lies
+    there inline; other references are returned as they are (they point at their own bytes
+    already)."""
     if isinstance(arr, ev.InlineArray):
         return ev.LogArray(seq=seq, field=field, dtype=arr.dtype, shape=arr.shape)
     return arr
 
 
-def weight_stores(directory: str | Path | None, bucket: str) -> list[PayloadStore]:
-    """The extra store a process needs to read weights written to a shared directory."""
-    return [FilePayloads(directory, bucket)] if directory else []
+async def open_store(kind: str, site: StoreSite) -> PayloadStore | None:
+    """The payload store ``kind`` names in the registry, opened at ``site`` (None: not used here)."""
+    opener: StoreKind = PAYLOAD_STORES.load(kind)
+    store = await opener.open(site)
+    if store is not None and store.kind != kind:
+        raise PayloadError(f"payload store {kind!r} opened a store of kind {store.kind!r}")
+    return store
+
+
+def token_list_ref(seq: int, field: str, tokens: list[int]) -> ev.LogArray:
+    """A reference to the list of token ids at ``field`` of the event at ``seq`` (a task's
+    prompt), read as int32."""
+    return ev.LogArray(seq=seq, field=field, dtype="int32", shape=(len(tokens),))
 
 
 # --------------------------------------------------------------------------- codec
+
+
+class WeightsAnnounced(Protocol):
+    """What reading a policy version's weights needs of its announcement (a WeightsReady, or
+    the read model's fact of one)."""
+
+    @property
+    def location(self) -> ev.PayloadRef: ...
+
+    @property
+    def blake3(self) -> str | None: ...
 
 
 class Payloads:
@@ -376,18 +632,31 @@ class Payloads:
         run_id: str,
         *,
         weights_dir: str | Path | None = None,
-        mooncake: MooncakeSettings | None = None,
+        bus: BusSettings | None = None,
     ) -> Payloads:
-        """A run's arrays: its object store (where new ones go), the log, the shared weights
-        directory when weights travel as files, and this process's Mooncake engine when weights
-        or traces travel that way."""
-        from jetrl.bus.mooncake import MooncakePayloads
-
-        objstore = await ObjectStorePayloads.for_run(js, run_id)
-        others = weight_stores(weights_dir, objstore.bucket)
-        if mooncake is not None:
-            others.append(MooncakePayloads(mooncake, bucket=objstore.bucket))
+        """A run's arrays: its object store (where new ones go), the log, and every other store
+        a reader may meet a reference of, each opened as it says it is used here
+        (:class:`StoreKind`): the registry's built-ins and whatever ``bus`` (the run's ``[bus]``)
+        writes to. ``weights_dir``: the run's shared directory, where this process has one."""
+        site = StoreSite(js, run_id, bus or BusSettings(), None if weights_dir is None else Path(weights_dir))
+        objstore = await ObjectStorePayloads.open(site)
+        others: list[PayloadStore] = []
+        for kind in [*PAYLOAD_STORES.builtins, *sorted(site.uses - PAYLOAD_STORES.builtins.keys())]:
+            if kind == objstore.kind:
+                continue
+            store = await open_store(kind, site)
+            if store is not None:
+                others.append(store)
         return cls(objstore, *others, log=LogArrays(js, run_id))
+
+    def inline_if_small(
+        self, arr: np.ndarray, *, inline_threshold: int | None = None
+    ) -> ev.InlineArray | None:
+        """``arr`` inline, when it is small enough to ride in the event (what :meth:`put_array`
+        does without a store, so without awaiting anything); else None."""
+        inline = inline_array(arr)
+        limit = self.inline_threshold if inline_threshold is None else inline_threshold
+        return inline if len(inline.data) <= limit else None
 
     async def put_array(
         self, name: str, arr: np.ndarray, *, inline_threshold: int | None = None, store: str | None = None
@@ -421,6 +690,34 @@ class Payloads:
                 f"payload {ref.bucket}/{ref.name}: SHA-256 {digest} does not match the reference {ref.sha256}"
             )
         return data
+
+    async def get_weights(
+        self, ready: WeightsAnnounced, *, into: Callable[[int], memoryview] | None = None
+    ) -> memoryview:
+        """The bytes of ``ready``'s weights, checked once: read straight into ``into(size)`` (the
+        buffer the caller loads from; by default a new one) and checked against ``ready.blake3``
+        as they land, unless the store checked them itself as it read (the object store, whose
+        reader hashes every chunk: against ``location.sha256``). An announcement without
+        ``blake3`` (schema 1) is checked by ``location.sha256``. Bytes that fail their check
+        raise :class:`PayloadIntegrityError`, a truncated object too."""
+        ref = ready.location
+        if ready.blake3 is None:
+            data = await self.get_bytes(ref)
+            if into is None:
+                return memoryview(data)
+            out = into(ref.size)
+            out[:] = data
+            return out
+        store = self.store(ref.store)
+        out = np.empty(ref.size, dtype=np.uint8).data if into is None else into(ref.size)
+        if out.nbytes != ref.size:
+            raise PayloadError(
+                f"payload {ref.bucket}/{ref.name}: a buffer of {out.nbytes} bytes for {ref.size}"
+            )
+        check = WeightsDigest(out)
+        if not await store.read_into(ref, out, check.progress):
+            check.verify(ready.blake3, f"{ref.bucket}/{ref.name}")
+        return out
 
     async def prefetch(self, refs: list[ev.ArrayRef | None]) -> None:
         """Read ahead, concurrently, what ``refs`` need from the log (a step's rollouts, say)."""

@@ -1,5 +1,5 @@
 """Process plumbing shared by every jetrl process: logging, signals, a stop event, the part
-entry point, and loading the engine a setting names."""
+entry point."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import contextlib
 import json
 import signal
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel
 
@@ -60,34 +61,46 @@ async def connect_until(stop: asyncio.Event, url: str | list[str], **options: An
     return await unless_set(stop, Bus.connect(url, **options))
 
 
-def part_main(
-    argv: list[str] | None,
-    *,
-    prog: str,
-    settings_model: type[T],
-    client_name: Callable[[argparse.Namespace, T], str],
-    body: Callable[[Bus, argparse.Namespace, T, asyncio.Event], Awaitable[int | None]],
-    options: Callable[[argparse.ArgumentParser], object] | None = None,
-) -> int:
-    """The entry point of a part (``python -m jetrl.<part> --nats-url URL --run RUN
-    [--settings JSON]`` plus its ``options``): parse, connect, run ``body`` until stopped."""
-    ap = argparse.ArgumentParser(prog=prog)
-    ap.add_argument("--nats-url", required=True)
-    ap.add_argument("--run", required=True)
-    ap.add_argument("--settings", default="{}", help="settings as JSON, or @path to a JSON file")
-    ap.add_argument("--creds", default=None, help="the identity's credentials file (servers with auth)")
-    if options is not None:
-        options(ap)
-    args = ap.parse_args(argv)
-    settings = load_settings(settings_model, args.settings)
+PartTask = Callable[[asyncio.Event], Awaitable[int | None]]
 
-    async def go(stop: asyncio.Event) -> int | None:
-        bus = await connect_until(stop, args.nats_url, name=client_name(args, settings), creds=args.creds)
-        if bus is None:
-            return 0  # stopped before the server answered
-        try:
-            return await body(bus, args, settings, stop)
-        finally:
-            await bus.close()
 
-    return run_process(go)
+@dataclass(frozen=True)
+class PartEntry(Generic[T]):
+    """What a part is on its command line (``python -m jetrl.<part> --nats-url URL --run RUN
+    [--settings JSON]`` plus its ``options``): :meth:`main` runs it as a process, :meth:`task`
+    as one task of a process that hosts several parts (deploy/host.py), each with its own bus
+    connection, so that they still meet only through the log."""
+
+    prog: str
+    settings_model: type[T]
+    client_name: Callable[[argparse.Namespace, T], str]
+    body: Callable[[Bus, argparse.Namespace, T, asyncio.Event], Awaitable[int | None]]
+    options: Callable[[argparse.ArgumentParser], object] | None = None
+
+    def task(self, argv: list[str] | None) -> PartTask:
+        """Parse ``argv``; the part, to run until ``stop`` is set: connect, run its body."""
+        ap = argparse.ArgumentParser(prog=self.prog)
+        ap.add_argument("--nats-url", required=True)
+        ap.add_argument("--run", required=True)
+        ap.add_argument("--settings", default="{}", help="settings as JSON, or @path to a JSON file")
+        ap.add_argument("--creds", default=None, help="the identity's credentials file (servers with auth)")
+        if self.options is not None:
+            self.options(ap)
+        args = ap.parse_args(argv)
+        settings = load_settings(self.settings_model, args.settings)
+
+        async def go(stop: asyncio.Event) -> int | None:
+            name = self.client_name(args, settings)
+            bus = await connect_until(stop, args.nats_url, name=name, creds=args.creds)
+            if bus is None:
+                return 0  # stopped before the server answered
+            try:
+                return await self.body(bus, args, settings, stop)
+            finally:
+                await bus.close()
+
+        return go
+
+    def main(self, argv: list[str] | None = None) -> int:
+        """The part as its own process, until SIGTERM or SIGINT."""
+        return run_process(self.task(argv))

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from jetrl.bus.streams import GiB, StreamLimits
 from jetrl.bus.subjects import check_token
+from jetrl.plugins import PAYLOAD_STORES
 
 # [trainer] max_off_policy_steps when a config does not say: the staleness a run accepts. The
 # trainer enforces it, the producers size their groups in flight by it, the monitor alerts by it.
@@ -39,16 +40,31 @@ class MooncakeSettings(Section):
 class BusSettings(Section):
     max_gib: float = Field(8.0, gt=0)  # the run's log
     payload_max_gib: float = Field(32.0, gt=0)  # the run's payload bucket
-    # Where weights travel: the run's object store (any machine), or files in the run directory
-    # (every process on one filesystem; far faster for weights of tens of MB and more).
-    # Or "mooncake": held in the trainer's memory, pulled by each worker (bus/mooncake.py).
-    weights_store: Literal["objstore", "file", "mooncake"] = "objstore"
+    # Where weights travel, a payload store of jetrl/plugins.py: the run's object store (any
+    # machine), or "file": files in the run directory (every process on one filesystem; far
+    # faster for weights of tens of MB and more), or "mooncake": held in the trainer's memory,
+    # pulled by each worker (bus/mooncake.py).
+    weights_store: str = "objstore"
     # Where routing traces go: the object store, or held by their inference worker (mooncake).
-    traces_store: Literal["objstore", "mooncake"] = "objstore"
+    traces_store: str = "objstore"
     mooncake: MooncakeSettings = MooncakeSettings()
     # Copies of the run's log and payload bucket on a JetStream cluster: "auto" takes 3 (or
     # every node of a smaller cluster), 1 on a single server.
     replicas: int | Literal["auto"] = Field("auto")
+
+    @field_validator("weights_store", "traces_store")
+    @classmethod
+    def _store(cls, v: str) -> str:
+        return PAYLOAD_STORES.check(v)
+
+    @model_validator(mode="after")
+    def _stores_check(self) -> BusSettings:
+        # Each store's own checks of [bus] (bus/payloads.py: the file store keeps no traces).
+        for kind in sorted({self.weights_store, self.traces_store}):
+            checks = PAYLOAD_STORES.checks(kind)
+            if checks is not None:
+                checks.check(self)
+        return self
 
     @field_validator("replicas")
     @classmethod

@@ -2,8 +2,8 @@
 
     jetrl.<run>.run                          RunStarted, RunResumed, RunFinished
     jetrl.<run>.task.<tenant>.<env>          TaskSubmitted
-    jetrl.<run>.generation.<tenant>.<env>    GenerationCompleted
-    jetrl.<run>.rollout.<tenant>.<env>       RolloutScored, RolloutWithheld
+    jetrl.<run>.generation.<tenant>.<env>    CompletionsGenerated
+    jetrl.<run>.rollout.<tenant>.<env>       RolloutsScored, RolloutWithheld
     jetrl.<run>.step                         StepCompleted
     jetrl.<run>.policy                       PolicyVersionPublished
     jetrl.<run>.weights                      WeightsReady
@@ -154,8 +154,8 @@ _SUBJECT_OF: dict[type[ev.EventBody], Callable[[ev.Event], str]] = {
     ev.RunResumed: lambda e: run_subject(e.run_id),
     ev.RunFinished: lambda e: run_subject(e.run_id),
     ev.TaskSubmitted: _scoped_event("task"),
-    ev.GenerationCompleted: _scoped_event("generation"),
-    ev.RolloutScored: _scoped_event("rollout"),
+    ev.CompletionsGenerated: _scoped_event("generation"),
+    ev.RolloutsScored: _scoped_event("rollout"),
     ev.RolloutWithheld: _scoped_event("rollout"),
     ev.EvaluationReported: _scoped_event("eval"),
     ev.StepCompleted: lambda e: step_subject(e.run_id),

@@ -51,38 +51,40 @@ async def play(url: str, run_id: str, groups: int, group_size: int, seq_len: int
             tenant=tenant,
         )
         await pub.publish(task)
+        group = ids.task_id(env, tenant, g)
+        scored = []
         for i in range(group_size):
-            gid = ids.rollout_id(ids.task_id(env, tenant, g), i)
+            gid = ids.rollout_id(group, i)
             trace = rng.integers(0, 64, size=(seq_len, 4, 2), dtype=np.uint8)  # [tokens, moe_layers, top_k]
             comp = rng.integers(0, 32, size=seq_len - 3, dtype=np.int32)
-            refs = {
-                "prompt_tokens": await payloads.put_array(
-                    f"{gid}.prompt", np.array([1, 2, 3], dtype=np.int32)
-                ),
-                "completion_tokens": await payloads.put_array(f"{gid}.tokens", comp),
-                "logprobs": await payloads.put_array(
-                    f"{gid}.logprobs", -rng.random(comp.size, dtype=np.float32)
-                ),
-                "routing_trace": await payloads.put_array(f"{gid}.trace", trace),
-            }
-            body = ev.RolloutScored(
-                rollout_id=gid,
-                generation_event_id=uuid.uuid4().hex,
-                task_id=ids.task_id(env, tenant, g),
-                env=env,
-                group_id=ids.task_id(env, tenant, g),
-                sample_index=i,
-                group_size=group_size,
-                reward=float(rng.random()),
-                policy_version_start=version,
-                policy_version_end=version,
-                prompt_tokens=refs["prompt_tokens"],
-                completion_tokens=refs["completion_tokens"],
-                logprobs=refs["logprobs"],
-                routing_trace=refs["routing_trace"],
+            tokens, logprobs, trace_ref = await asyncio.gather(
+                payloads.put_array(f"{gid}.tokens", comp),
+                payloads.put_array(f"{gid}.logprobs", -rng.random(comp.size, dtype=np.float32)),
+                payloads.put_array(f"{gid}.trace", trace),
             )
-            await pub.publish(ev.new_event(body, run_id=run_id, tenant=tenant, causation_id=task.event_id))
-            rollouts += 1
+            scored.append(
+                ev.ScoredRollout(
+                    rollout_id=gid,
+                    sample_index=i,
+                    reward=float(rng.random()),
+                    policy_version_start=version,
+                    policy_version_end=version,
+                    completion_tokens=tokens,
+                    logprobs=logprobs,
+                    routing_trace=trace_ref,
+                )
+            )
+        body = ev.RolloutsScored(
+            generation_event_id=uuid.uuid4().hex,
+            task_id=group,
+            env=env,
+            group_id=group,
+            group_size=group_size,
+            prompt_tokens=await payloads.put_array(f"{group}.prompt", np.array([1, 2, 3], dtype=np.int32)),
+            rollouts=scored,
+        )
+        await pub.publish(ev.new_event(body, run_id=run_id, tenant=tenant, causation_id=task.event_id))
+        rollouts += group_size
         if g % 4 == 3:
             version += 1
             await pub.publish(
@@ -113,17 +115,18 @@ async def play(url: str, run_id: str, groups: int, group_size: int, seq_len: int
         ConsumerSpec(
             run_id=run_id, durable="demo-trainer", filter_subjects=[subjects.rollout_subject(run_id)]
         ),
-        ev.RolloutScored,
+        ev.RolloutsScored,
     )
     seen: Counter[str] = Counter()
     verified_bytes = 0
 
-    async def handle(d: Delivery[ev.RolloutScored]) -> None:
+    async def handle(d: Delivery[ev.RolloutsScored]) -> None:
         nonlocal verified_bytes
-        assert d.body.routing_trace is not None
-        trace = await payloads.get_array(d.body.routing_trace)  # hash-checked
-        verified_bytes += trace.nbytes
-        seen[d.event.tenant] += 1
+        for r in d.body.rollouts:
+            assert r.routing_trace is not None
+            trace = await payloads.get_array(r.routing_trace)  # hash-checked
+            verified_bytes += trace.nbytes
+            seen[d.event.tenant] += 1
 
     stop = asyncio.Event()
     t1 = time.perf_counter()

@@ -2,10 +2,12 @@
 
 Each section is the settings class of the room that uses it (``[trainer]`` is
 consumers/trainer/settings.py's, ``[[envs]]`` producers/settings.py's, ...); this module only
-composes them. The resolved config is recorded in the run's RunStarted event and in
-``<run dir>/config.json``. Each process is handed only its part (trainer, inference, producer),
-composed here. Nothing here imports torch: any config is read and validated without it (a
-run's Hugging Face checkpoint is checked with torch, by ``config_for_run``).
+composes them and checks what spans sections. What a plugin (an engine, a store) asks of the
+settings is its own checks' (registered with it, jetrl/plugins.py). The resolved config is
+recorded in the run's RunStarted event and in ``<run dir>/config.json``. Each process is handed
+only its part (trainer, inference, producer), composed here. Nothing here imports torch: any
+config is read and validated without it (a run's Hugging Face checkpoint is checked with torch,
+by ``config_for_run``).
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ from __future__ import annotations
 import contextlib
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from jetrl.bus.settings import BusSettings, EnvRoute, MooncakeSettings, Section, TenantSettings
+from jetrl.bus.settings import BusSettings, EnvRoute, Section, TenantSettings
+from jetrl.consumers.inference.engine import engine_checks
 from jetrl.consumers.inference.settings import InferencePart, InferenceSettings
 from jetrl.consumers.monitor.settings import MonitorSettings
 from jetrl.consumers.trainer.settings import TrainerPart, TrainerSettings
@@ -36,6 +39,12 @@ class RunSettings(Section):
     # Parts forked from a server that imported their modules once (deploy/launcher.py): each is
     # still its own process; false starts each as a fresh interpreter.
     fork_parts: bool = True
+    # Kinds of part that run as tasks of shared processes instead of each its own
+    # (deploy/host.py): still meeting only through the log, restarted together from it. Parts
+    # that only read the log (recorder, monitor) share one process, the others another.
+    host_together: list[Literal["producer", "inference", "trainer", "recorder", "monitor"]] = Field(
+        default_factory=list
+    )
 
 
 class RunConfig(Section):
@@ -65,8 +74,7 @@ class RunConfig(Section):
         names = [t.name for t in self.tenants]
         if len(set(names)) != len(names):
             raise ValueError(f"a tenant is listed twice in [[tenants]]: {sorted(names)}")
-        if self.inference.engine == "vllm" and not self.model.hf_path:
-            raise ValueError("[inference] engine = 'vllm' serves a checkpoint: set [model] hf_path")
+        engine_checks(self.inference.engine).check(self.inference, self.model)
         return self
 
     # ------------------------------------------------------------ what each process is handed
@@ -83,14 +91,10 @@ class RunConfig(Section):
             EnvRoute(tenant=e.tenant, env=e.name, group_size=e.group_size, share=e.share) for e in self.envs
         ]
 
-    def weights_dir(self, run_dir: Path) -> str | None:
-        """Where weights travel when ``[bus] weights_store = "file"``: files in the run directory."""
-        return str((run_dir / "payloads").resolve()) if self.bus.weights_store == "file" else None
-
-    def mooncake(self) -> MooncakeSettings | None:
-        """The ``[bus.mooncake]`` engine trainer and workers run, when weights or traces use it."""
-        uses = "mooncake" in (self.bus.weights_store, self.bus.traces_store)
-        return self.bus.mooncake if uses else None
+    def weights_dir(self, run_dir: Path) -> str:
+        """The run's shared directory, for a payload store that keeps files there (``[bus]
+        weights_store = "file"``): ``payloads`` in the run directory."""
+        return str((run_dir / "payloads").resolve())
 
     def trainer_part(self, run_dir: Path) -> TrainerPart:
         t = self.envs[0].temperature
@@ -99,9 +103,8 @@ class RunConfig(Section):
             model=self.model,
             seed=self.run.seed,
             temperature=t if t > 0 else 1.0,
+            bus=self.bus,
             weights_dir=self.weights_dir(run_dir),
-            weights_store=self.bus.weights_store,
-            mooncake=self.mooncake(),
             tenants=self.tenant_settings(),
             envs=self.env_routes(),
         )
@@ -111,9 +114,8 @@ class RunConfig(Section):
             inference=self.inference,
             model=self.model,
             seed=self.run.seed,
+            bus=self.bus,
             weights_dir=self.weights_dir(run_dir),
-            traces_store=self.bus.traces_store,
-            mooncake=self.mooncake(),
             tenants=self.tenant_settings(),
             envs=self.env_routes(),
         )
@@ -189,21 +191,16 @@ def config_for_run(data: dict[str, Any], overrides: list[str] | None = None) -> 
     try:
         cfg = RunConfig.model_validate(data)
         vocab = None
+        engine = engine_checks(cfg.inference.engine)
         if cfg.model.hf_path:  # a checkpoint is checked here, before any process starts (torch)
             from jetrl.policy.origin import check_model
 
             mcfg = check_model(cfg.model)
             vocab = mcfg.vocab_size
-            if cfg.inference.engine == "vllm":
-                from jetrl.consumers.inference.vllm_engine import vllm_python
-
-                if not vllm_python(cfg.inference.vllm).exists():
-                    raise ValueError(f"no vLLM environment at {vllm_python(cfg.inference.vllm)}")
-                if mcfg.is_moe and cfg.trainer.replay and not cfg.inference.vllm.capture_routing:
-                    raise ValueError(
-                        "[inference.vllm] capture_routing = false sends no routing traces: an MoE run "
-                        "needs [trainer] replay = false then"
-                    )
+            why = engine.no_routing(cfg.inference)
+            if mcfg.is_moe and cfg.trainer.replay and why:
+                raise ValueError(f"{why}: an MoE run needs [trainer] replay = false then")
+        engine.check_here(cfg.inference)
         tok = tokenizer_for(cfg.model)
         if vocab is not None and tok.vocab_size > vocab:
             raise ValueError(f"the tokenizer's {tok.vocab_size} ids exceed the model's vocabulary of {vocab}")

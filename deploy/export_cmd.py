@@ -51,7 +51,7 @@ async def export(
         model = RunConfig.model_validate(log.config).model
         payloads = await Payloads.for_run(bus.js, run_id, weights_dir=run_dir / "payloads")
         try:
-            data = await payloads.get_bytes(ready.location)
+            data = await payloads.get_weights(ready)
         except PayloadMissing:
             print(
                 f"export-model: version {v} of run {run_id} is no longer in its store: the trainer keeps "

@@ -31,8 +31,9 @@ from jetrl.bus.client import Bus
 from jetrl.bus.log import get_logger
 from jetrl.bus.runtime import connect_until, run_process
 from jetrl.bus.streams import stream_name
+from jetrl.consumers.trainer.engine import Nodes
 from jetrl.deploy.config import ConfigError, RunConfig
-from jetrl.deploy.parts import KINDS, Nodes, PartCommand, PartCommands
+from jetrl.deploy.parts import KINDS, PartCommand, PartCommands
 from jetrl.store import queries
 from jetrl.store.db import Store, StoreError, open_store_read_only
 

@@ -9,6 +9,7 @@ file under ``<run dir>/settings``; the bus address, run id and credentials on th
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from pydantic import BaseModel
 
 from jetrl.consumers.monitor.settings import MonitorPart
 from jetrl.consumers.recorder.settings import RecorderPart
+from jetrl.consumers.trainer.engine import ONE_NODE, Nodes, train_launch
 from jetrl.consumers.trainer.settings import TrainerSettings
 from jetrl.deploy.config import ConfigError, RunConfig
 
@@ -24,29 +26,21 @@ from jetrl.deploy.config import ConfigError, RunConfig
 KINDS = ("producer", "inference", "trainer", "recorder", "monitor")
 
 
+FOLLOWERS = frozenset({"recorder", "monitor"})  # parts that only read the log (stopped last)
+
+
 @dataclass(frozen=True)
 class PartCommand:
     name: str  # the part's name in logs and restarts: env-<tenant>-<env>-<k>, inference-<i>, ...
     argv: list[str]
     threads: int = 1  # OMP_NUM_THREADS it is started with
+    kind: str = ""  # one of KINDS ("host" for several parts in one process, deploy/host.py)
+    hosts_followers: bool = False  # a host of parts that only read the log
 
-
-@dataclass(frozen=True)
-class Nodes:
-    """The machines a trainer's ranks span: one (torchrun's ``--standalone``), or ``nnodes``
-    with this one's ``node_rank`` and rank 0's machine at ``master`` (``host:port``)."""
-
-    nnodes: int = 1
-    node_rank: int = 0
-    master: str | None = None
-
-    def check(self, world: int) -> None:
-        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
-            raise ConfigError(f"node rank {self.node_rank} is not one of {self.nnodes} node(s)")
-        if world % self.nnodes:
-            raise ConfigError(f"the trainer's {world} ranks do not split evenly over {self.nnodes} nodes")
-        if self.nnodes > 1 and (self.master is None or ":" not in self.master):
-            raise ConfigError("a trainer over several nodes needs --rdzv-endpoint HOST:PORT (rank 0's node)")
+    @property
+    def follows(self) -> bool:
+        """Whether it only reads the log: stopped after the others, once it has caught up."""
+        return self.kind in FOLLOWERS or self.hosts_followers
 
 
 class PartCommands:
@@ -84,6 +78,7 @@ class PartCommands:
                     creds_of.get(pp.env.tenant),
                     *("--settings", self.settings_file(f"env-{k}", pp)),
                 ),
+                kind="producer",
             )
             for k, pp in enumerate(self.cfg.producer_parts())
             if not pp.env.remote and (envs is None or pp.env.name in envs)
@@ -103,11 +98,12 @@ class PartCommands:
                     "jetrl.consumers.inference", creds, *("--worker-id", worker_id, "--settings", settings)
                 ),
                 threads=self.cfg.inference.threads,
+                kind="inference",
             )
             for worker_id in worker_ids
         ]
 
-    def trainer(self, creds: str | None, nodes: Nodes = Nodes()) -> PartCommand:
+    def trainer(self, creds: str | None, nodes: Nodes = ONE_NODE) -> PartCommand:
         argv = self._argv(
             "jetrl.consumers.trainer",
             creds,
@@ -115,47 +111,62 @@ class PartCommands:
             *("--settings", self.settings_file("trainer", self.cfg.trainer_part(self.run_dir))),
         )
         return PartCommand(
-            "trainer", torchrun(argv, self.cfg.trainer, nodes), threads=self.cfg.trainer.threads
+            "trainer",
+            trainer_command(argv, self.cfg.trainer, nodes),
+            threads=self.cfg.trainer.threads,
+            kind="trainer",
         )
 
     def recorder(self, db: str, creds: str | None) -> PartCommand:
         rec = self.settings_file("recorder", RecorderPart(db=db))
-        return PartCommand("recorder", self._argv("jetrl.consumers.recorder", creds, "--settings", rec))
+        return PartCommand(
+            "recorder", self._argv("jetrl.consumers.recorder", creds, "--settings", rec), kind="recorder"
+        )
 
     def monitor(self, creds: str | None) -> PartCommand:
         mon = MonitorPart(monitor=self.cfg.monitor, out_dir=str((self.run_dir / "monitor").resolve()))
         return PartCommand(
             "monitor",
             self._argv("jetrl.consumers.monitor", creds, "--settings", self.settings_file("monitor", mon)),
+            kind="monitor",
         )
 
+    def hosted(self, commands: list[PartCommand], kinds: list[str]) -> list[PartCommand]:
+        """``commands``, with the parts of ``kinds`` run as tasks of shared processes
+        (deploy/host.py): the followers (recorder, monitor) in one, the others in another, so
+        that the run's end still stops the others first and the followers once they caught up.
+        A part that is not one ``python -m`` process (a trainer of several ranks) keeps its own."""
+        groups: dict[bool, list[PartCommand]] = {True: [], False: []}
+        for c in commands:
+            if c.kind in kinds and c.argv[:2] == [sys.executable, "-m"]:
+                groups[c.kind in FOLLOWERS].append(c)
+        host_of: dict[str, PartCommand] = {}
+        for followers, members in groups.items():
+            if len(members) < 2:
+                continue
+            name = "host-" + "-".join(dict.fromkeys(m.kind for m in members))
+            spec = [{"module": m.argv[2], "args": m.argv[3:]} for m in members]
+            path = self.run_dir / "settings" / f"{name}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(spec, indent=2))
+            argv = [sys.executable, "-m", "jetrl.deploy.host", "--parts", f"@{path}"]
+            threads = max(m.threads for m in members)
+            host = PartCommand(name, argv, threads=threads, kind="host", hosts_followers=followers)
+            host_of.update((m.name, host) for m in members)
+        # In the order of the commands, a host where its first member was.
+        out: list[PartCommand] = []
+        for c in commands:
+            chosen = host_of.get(c.name, c)
+            if chosen not in out:
+                out.append(chosen)
+        return out
 
-def torchrun(argv: list[str], trainer: TrainerSettings, nodes: Nodes = Nodes()) -> list[str]:
-    """The trainer's command: as it is for one rank; for more, under torchrun, global rank 0
-    running it and the others serving rank 0 (consumers/trainer/parallel/launch.py). Over
-    several nodes each node runs this with its own ``node_rank``, and ranks are numbered by
-    node (static rendezvous at rank 0's node), so rank 0 is always on node 0. torchrun restarts
-    nothing (``--max-restarts 0``): a rank that dies ends the group, and whatever started the
-    trainer restarts it as it restarts any part; it then rebuilds from its newest checkpoint
-    and the log."""
-    world = trainer.parallelism.world_size
-    nodes.check(world)
-    if world == 1:
-        return argv
-    python, _, module, *rest = argv
-    if nodes.nnodes == 1:
-        where = ["--standalone", "--nproc-per-node", str(world)]
-    else:
-        assert nodes.master is not None  # checked above
-        host, _, port = nodes.master.rpartition(":")
-        where = [
-            *("--nnodes", str(nodes.nnodes), "--node-rank", str(nodes.node_rank)),
-            *("--nproc-per-node", str(world // nodes.nnodes)),
-            *("--master-addr", host, "--master-port", port),
-        ]
-    return [
-        *(python, "-m", "torch.distributed.run", *where),
-        *("--max-restarts", "0", "--monitor-interval", "0.5"),
-        # "--": torchrun's parser would take the part's --run for an abbreviation of its --run-path.
-        *("-m", "jetrl.consumers.trainer.parallel.launch", "--", module, *rest),
-    ]
+
+def trainer_command(argv: list[str], trainer: TrainerSettings, nodes: Nodes = ONE_NODE) -> list[str]:
+    """The trainer's command on this node, from the part's own: its train engine's launch says
+    how (consumers/trainer/engine.py's TrainLaunch, registered with the engine: one process, or
+    its ranks under torchrun)."""
+    try:
+        return train_launch(trainer.engine_name).command(argv, trainer, nodes)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None

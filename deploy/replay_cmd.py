@@ -66,7 +66,7 @@ async def replay(
         payloads = await Payloads.for_run(bus.js, run_id, weights_dir=run_dir / "payloads")
         replayer = Replayer(core, payloads, log)
         await replayer.start_at(from_step, run_dir / "trainer" if from_step else None)
-        needed = {rid for s in range(from_step, last + 1) for rid in log.steps[s][0].rollout_ids}
+        needed = {rid for s in range(from_step, last + 1) for rid in log.steps[s].rollout_ids}
         rollouts, _ = await read_rollouts(bus, run_id, needed, trained_seqs(log, from_step))
         ranks = part.trainer.parallelism.world_size
         on = f", {ranks} ranks as recorded" if ranks > 1 else ""

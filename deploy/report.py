@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from jetrl.bus import events as ev
-from jetrl.store.queries import latest_and_best
+from jetrl.store.readmodel import summarize
 
 # The trainer writes its own aggregates of the reward as `reward_mean` and `reward_max`, and the
 # mean of each environment reward part `<part>` as `reward_<part>`. StepCompleted carries no list
@@ -28,18 +28,27 @@ def _mean(steps: list[dict[str, float]], key: str) -> float:
     return sum(s.get(key, 0.0) for s in steps) / len(steps)
 
 
+def _scope(tenant: str, env: str) -> str:
+    return env if tenant == "default" else f"{tenant}/{env}"
+
+
 class RunReport:
     def __init__(self) -> None:
         # One dict per step: its metrics plus `step`, `tokens` and `t` (seconds since the start).
         self.steps: list[dict[str, float]] = []
         # Part -> whether it differed from the step's mean reward at some step, in first-seen order.
         self._differs: dict[str, bool] = {}
-        # "<env>" (or "<tenant>/<env>" off the default tenant) -> its evaluations by version.
-        self.evaluations: dict[str, dict[int, ev.EvaluationReported]] = {}
+        # (tenant, env) -> its evaluations by version.
+        self._evaluations: dict[tuple[str, str], dict[int, ev.EvaluationReported]] = {}
 
     def add_evaluation(self, body: ev.EvaluationReported, tenant: str = "default") -> None:
-        scope = body.env if tenant == "default" else f"{tenant}/{body.env}"
-        self.evaluations.setdefault(scope, {}).setdefault(body.policy_version, body)  # first fact wins
+        by_version = self._evaluations.setdefault((tenant, body.env), {})
+        by_version.setdefault(body.policy_version, body)  # first fact wins
+
+    @property
+    def evaluations(self) -> dict[str, dict[int, ev.EvaluationReported]]:
+        """By "<env>" (or "<tenant>/<env>" off the default tenant), each env's evaluations by version."""
+        return {_scope(tenant, env): by_version for (tenant, env), by_version in self._evaluations.items()}
 
     def evaluation_line(self, body: ev.EvaluationReported) -> str:
         return (
@@ -49,21 +58,20 @@ class RunReport:
 
     def evaluation_summary(self) -> dict[str, dict[str, Any]]:
         """Per env: the latest evaluation's pass@1 and pass@k, and the best of each with its
-        version (the earliest on a tie)."""
+        version (the earliest on a tie): the store's summary (store/readmodel), rounded."""
         out: dict[str, dict[str, Any]] = {}
-        for scope, by_version in self.evaluations.items():
-            rows = [by_version[v] for v in sorted(by_version)]
-            last, b1, bk = latest_and_best(rows)
-            out[scope] = {
-                "evaluations": len(rows),
-                "k": last.samples,
-                "latest_version": last.policy_version,
-                "pass_at_1": round(last.pass_at_1, 4),
-                "pass_at_k": round(last.pass_at_k, 4),
-                "best_pass_at_1": round(b1.pass_at_1, 4),
-                "best_pass_at_1_version": b1.policy_version,
-                "best_pass_at_k": round(bk.pass_at_k, 4),
-                "best_pass_at_k_version": bk.policy_version,
+        for (tenant, env), by_version in self._evaluations.items():
+            s = summarize(tenant, env, [by_version[v] for v in sorted(by_version)])
+            out[_scope(tenant, env)] = {
+                "evaluations": s.evaluations,
+                "k": s.samples,
+                "latest_version": s.latest_version,
+                "pass_at_1": round(s.latest_pass_at_1, 4),
+                "pass_at_k": round(s.latest_pass_at_k, 4),
+                "best_pass_at_1": round(s.best_pass_at_1, 4),
+                "best_pass_at_1_version": s.best_pass_at_1_version,
+                "best_pass_at_k": round(s.best_pass_at_k, 4),
+                "best_pass_at_k_version": s.best_pass_at_k_version,
             }
         return out
 

@@ -47,9 +47,6 @@ USAGE_WARN = 0.8  # the share of a limit past which the run is warned about
 SETTLE_S = 3.0  # quiet on the rollout subjects after which parts elsewhere have stopped
 
 
-FOLLOWERS = frozenset({"recorder", "monitor"})  # parts that only read the log
-
-
 class PartFailed(RuntimeError):
     """A part crash-looped: the run stops, as failed, with the part's log named."""
 
@@ -59,6 +56,7 @@ class Part:
     name: str
     argv: list[str]
     threads: int = 1
+    follows: bool = False  # only reads the log: stopped last, once caught up
     proc: PartProcess | None = None
     restarts: int = 0
     finished: bool = False  # exited 0 on its own (the trainer, when the run is done)
@@ -148,7 +146,8 @@ class Supervisor:
             chosen.append(cmds.recorder(self.db_url, self.creds("recorder")))
         if "monitor" in self.local and self.cfg.monitor.wanted:
             chosen.append(cmds.monitor(self.creds("monitor")))
-        return [Part(c.name, c.argv, threads=c.threads) for c in chosen]
+        chosen = cmds.hosted(chosen, list(self.cfg.run.host_together))
+        return [Part(c.name, c.argv, threads=c.threads, follows=c.follows) for c in chosen]
 
     def start(self, part: Part) -> None:
         logs = self.run_dir / "logs"
@@ -403,7 +402,7 @@ class Supervisor:
             raise
         finally:
             # The recorder and the monitor read the log to its end after the others stop.
-            self.stop_parts({p.name for p in self.parts if p.name not in FOLLOWERS})
+            self.stop_parts({p.name for p in self.parts if not p.follows})
             await asyncio.sleep(0.5)  # the follower sees the last steps
             if follower:
                 follower.cancel()

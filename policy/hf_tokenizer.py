@@ -32,6 +32,13 @@ class TokenizerError(ValueError):
     pass
 
 
+def hf_tokenizer(path: str | None) -> HFTokenizer:
+    """The ``hf`` tokenizer: checkpoint directory ``path``'s own."""
+    if not path:
+        raise ValueError("the 'hf' tokenizer needs [model] hf_path (a checkpoint directory)")
+    return HFTokenizer(path)
+
+
 class HFTokenizer:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         from transformers import AutoTokenizer

@@ -15,7 +15,12 @@ pull towards what inference actually sampled from.
 
 A token is kept only if ``low <= r <= high``, with ``(low, high)`` chosen by the sign of its
 advantage: a token whose probability differs too much between the two engines gives an
-unreliable correction and is dropped rather than clipped.
+unreliable correction and is dropped rather than clipped. :meth:`LossConfig.clipped` sets them
+as PPO's clip does against the policy that sampled the rollout (``[0.125, 1 + eps]`` for
+``A >= 0``, ``[1 - eps, 8]`` for ``A < 0``): the gradient of ``-min(r * A, clip(r) * A)``,
+whose clipped side is constant. A rollout sampled a version or more ago then stops pushing a
+token its own policy already moved past the bound, which is what keeps asynchronous training
+as sample-efficient as on-policy training (docs/policy.md, "Off-policy steps").
 """
 
 from __future__ import annotations
@@ -25,11 +30,15 @@ from dataclasses import dataclass
 
 import torch
 
+# A token whose train/inference probability ratio lies outside these is dropped whatever its
+# advantage: the two engines disagree too much for the correction to be trusted.
+MISMATCH_BOUNDS = (0.125, 8.0)
+
 
 @dataclass(frozen=True, slots=True)
 class LossConfig:
-    ratio_bounds_pos: tuple[float, float] = (0.125, 8.0)  # for A >= 0
-    ratio_bounds_neg: tuple[float, float] = (0.125, 8.0)  # for A < 0
+    ratio_bounds_pos: tuple[float, float] = MISMATCH_BOUNDS  # for A >= 0
+    ratio_bounds_neg: tuple[float, float] = MISMATCH_BOUNDS  # for A < 0
     kl_coef: float = 1e-3
     # Entropy bonus: keeps a small policy learning from scratch from collapsing onto a wrong
     # answer (a group of identical samples has zero advantage and teaches nothing).
@@ -45,6 +54,22 @@ class LossConfig:
             raise ValueError("kl_coef must be >= 0")
         if self.entropy_coef < 0:
             raise ValueError("entropy_coef must be >= 0")
+
+    @classmethod
+    def clipped(cls, eps: float, *, kl_coef: float = 1e-3, entropy_coef: float = 0.0) -> LossConfig:
+        """PPO's clip of the ratio to ``[1 - eps, 1 + eps]`` against the behaviour policy, on
+        the side its advantage pushes (0: off, only the mismatch mask)."""
+        low, high = MISMATCH_BOUNDS
+        if not 0 <= eps < 1:
+            raise ValueError(f"the ratio clip must lie in [0, 1), got {eps}")
+        if eps == 0:
+            return cls(kl_coef=kl_coef, entropy_coef=entropy_coef)
+        return cls(
+            ratio_bounds_pos=(low, 1.0 + eps),
+            ratio_bounds_neg=(1.0 - eps, high),
+            kl_coef=kl_coef,
+            entropy_coef=entropy_coef,
+        )
 
 
 DEFAULT_LOSS = LossConfig()

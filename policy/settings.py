@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from jetrl.plugins import TOKENIZERS
 
 
 class ModelSettings(BaseModel):
@@ -19,9 +21,14 @@ class ModelSettings(BaseModel):
     # label. Never a hub id: nothing is downloaded.
     hf_path: str | None = None
     overrides: dict[str, Any] = Field(default_factory=dict)
-    # "char" or "hf" (the checkpoint's own, with its chat template); default: "hf" with
-    # hf_path, else "char".
+    # A tokenizer of jetrl/plugins.py ("char"; "hf": the checkpoint's own, with its chat
+    # template) or "package.module:attr"; default: "hf" with hf_path, else "char".
     tokenizer: str | None = None
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer(cls, v: str | None) -> str | None:
+        return v if v is None else TOKENIZERS.check(v)
 
     @property
     def tokenizer_kind(self) -> str:

@@ -3,8 +3,10 @@
 :class:`Tokenizer` is all that producers, the gateway and inference ask of a tokenizer: text to
 ids and back, the special ids (``eos_id`` and ``stop_ids`` end a model turn), and chat rendering
 (a conversation to the prompt text the model was trained on; with no template, the messages'
-texts joined by a space). :func:`make_tokenizer` builds one by the name in ``[model]
-tokenizer``. :class:`CharTokenizer` is the first implementation: ids 0, 1, 2 are ``<pad>``,
+texts joined by a space). :func:`make_tokenizer` builds the one ``[model] tokenizer`` names in
+the plugin registry (jetrl/plugins.py, ``TOKENIZERS``: a built-in, an installed package's, or any
+``package.module:attr``), a factory taking ``[model] hf_path`` (the checkpoint directory, or
+None). :class:`CharTokenizer` is the first implementation: ids 0, 1, 2 are ``<pad>``,
 ``<bos>``, ``<eos>``; the alphabet follows in order, one id per character. The default alphabet
 yields 58 ids, inside the tiny models' vocabulary of 64. Torch-free.
 """
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
+
+from jetrl.plugins import TOKENIZERS
 
 if TYPE_CHECKING:
     from jetrl.policy.settings import ModelSettings
@@ -116,21 +120,16 @@ class CharTokenizer:
         return " ".join(m["content"] for m in messages if m.get("content"))
 
 
-TOKENIZERS = ("char", "hf")
+def char_tokenizer(path: str | None = None) -> CharTokenizer:
+    """The ``char`` tokenizer (no checkpoint's: ``path`` is not read)."""
+    return CharTokenizer()
 
 
 def make_tokenizer(name: str = "char", path: str | None = None) -> Tokenizer:
-    """``char``, or ``hf``: the tokenizer files of checkpoint directory ``path``
-    (policy/hf_tokenizer.py; transformers is imported only then)."""
-    if name == "char":
-        return CharTokenizer()
-    if name == "hf":
-        if not path:
-            raise ValueError("the 'hf' tokenizer needs [model] hf_path (a checkpoint directory)")
-        from jetrl.policy.hf_tokenizer import HFTokenizer
-
-        return HFTokenizer(path)
-    raise ValueError(f"unknown tokenizer {name!r}; known: {list(TOKENIZERS)}")
+    """The tokenizer ``name`` names (``char``; ``hf``: the tokenizer files of checkpoint
+    directory ``path``, policy/hf_tokenizer.py, transformers imported only then)."""
+    tokenizer: Tokenizer = TOKENIZERS.load(name)(path)
+    return tokenizer
 
 
 def tokenizer_for(model: ModelSettings) -> Tokenizer:

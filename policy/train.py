@@ -27,21 +27,21 @@ from torch import nn
 
 from jetrl.policy.loss import DEFAULT_LOSS, LossConfig, rl_loss
 from jetrl.policy.models import ModelConfig, PackedMask, model_config
-from jetrl.policy.routing import TraceError, check_trace_for, pad_traces, replay_routing
+from jetrl.policy.routing import TraceError, check_trace_for, replay_routing
 
 
 @dataclass(slots=True)
 class Rollout:
     """One scored sample as the trainer receives it."""
 
-    prompt_ids: Sequence[int]
-    completion_ids: Sequence[int]
+    prompt_ids: Sequence[int] | np.ndarray
+    completion_ids: Sequence[int] | np.ndarray
     inference_logprobs: torch.Tensor  # [C]
     advantage: float
     routing: torch.Tensor | None = None  # [P + C - 1, moe_layers, top_k]
     # Multi-turn episodes: the completion interleaves model turns (True, trained) with the
     # environment's text (False, context only). None = every completion token is the model's.
-    completion_mask: Sequence[bool] | None = None
+    completion_mask: Sequence[bool] | np.ndarray | None = None
 
 
 @dataclass(slots=True)
@@ -78,6 +78,7 @@ def check_rollouts(rollouts: Sequence[Rollout], model_cfg: ModelConfig) -> bool:
             f"rollouts {[i for i, t in enumerate(with_trace) if not t]} lack routing traces "
             "while others have them; replay needs all or none"
         )
+    traces: list[torch.Tensor] = []
     for i, r in enumerate(rollouts):
         p, c = len(r.prompt_ids), len(r.completion_ids)
         if p < 1 or c < 1:
@@ -94,37 +95,92 @@ def check_rollouts(rollouts: Sequence[Rollout], model_cfg: ModelConfig) -> bool:
         if r.routing is not None:
             if not model_cfg.is_moe:
                 raise TraceError(f"rollout {i}: has a routing trace but {model_cfg.name} is dense")
+            traces.append(r.routing)
+    if traces and not _traces_fit(traces, rollouts, model_cfg):
+        # Something is wrong with one of them: find it, and say exactly what.
+        for i, r in enumerate(rollouts):
+            assert r.routing is not None
+            p, c = len(r.prompt_ids), len(r.completion_ids)
             check_trace_for(
                 model_cfg, r.routing, p, c, what=f"rollout {i} ({p} prompt + {c} completion tokens) trace"
             )
     return all(with_trace)
 
 
+def _traces_fit(traces: list[torch.Tensor], rollouts: Sequence[Rollout], cfg: ModelConfig) -> bool:
+    """Whether every trace is ``[P + C - 1, moe_layers, top_k]`` of distinct expert ids below
+    ``num_experts``: all of them at once (a step's hundreds of traces checked one by one cost
+    as much as its forward)."""
+    for t, r in zip(traces, rollouts, strict=True):
+        rows = len(r.prompt_ids) + len(r.completion_ids) - 1
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            return False
+        if tuple(t.shape) != (rows, cfg.num_moe_layers, cfg.top_k):
+            return False
+    ids = torch.cat([t.long() for t in traces])
+    if not ids.numel():
+        return True
+    if int(ids.min()) < 0 or int(ids.max()) >= cfg.num_experts:
+        return False
+    srt = ids.sort(dim=-1).values
+    return not bool((srt[..., 1:] == srt[..., :-1]).any())
+
+
 def collate(rollouts: Sequence[Rollout], model_cfg: ModelConfig, *, pad_id: int = 0) -> TrainBatch:
-    """Pad rollouts into a batch, checking every length and trace against ``model_cfg``."""
-    check_rollouts(rollouts, model_cfg)
-    width = max(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
+    """Pad rollouts into a batch, checking every length and trace against ``model_cfg``. Built
+    with one scatter per tensor, not per rollout: a step holds hundreds of short rollouts."""
+    has_traces = check_rollouts(rollouts, model_cfg)
     b = len(rollouts)
-    ids = torch.full((b, width), pad_id, dtype=torch.long)
-    mask = torch.zeros((b, width - 1), dtype=torch.bool)
-    inf_lp = torch.zeros((b, width - 1), dtype=torch.float32)
-    traces = []
-    for i, r in enumerate(rollouts):
-        p, c = len(r.prompt_ids), len(r.completion_ids)
-        ids[i, :p] = torch.as_tensor(list(r.prompt_ids), dtype=torch.long)
-        ids[i, p : p + c] = torch.as_tensor(list(r.completion_ids), dtype=torch.long)
-        if r.completion_mask is None:
-            mask[i, p - 1 : p - 1 + c] = True
-        else:
-            mask[i, p - 1 : p - 1 + c] = torch.as_tensor(list(r.completion_mask), dtype=torch.bool)
-        inf_lp[i, p - 1 : p - 1 + c] = r.inference_logprobs.float()
-        if r.routing is not None:
-            traces.append(r.routing)
-    if int(ids.max()) >= model_cfg.vocab_size or int(ids.min()) < 0:
+    plen = np.fromiter((len(r.prompt_ids) for r in rollouts), np.int64, b)
+    clen = np.fromiter((len(r.completion_ids) for r in rollouts), np.int64, b)
+    lens = plen + clen
+    width = int(lens.max())
+    tokens = np.concatenate(
+        [
+            np.asarray(x, dtype=np.int64).reshape(-1)
+            for r in rollouts
+            for x in (r.prompt_ids, r.completion_ids)
+        ]
+    )
+    if int(tokens.max()) >= model_cfg.vocab_size or int(tokens.min()) < 0:
         raise ValueError(f"token ids must lie in [0, {model_cfg.vocab_size})")
+    ids = np.full((b, width), pad_id, dtype=np.int64)
+    ids[_rows(lens), _offsets(lens)] = tokens
+    # Completion token j of a rollout with P prompt tokens is predicted at position P - 1 + j.
+    crow, ccol = _rows(clen), _offsets(clen) + np.repeat(plen - 1, clen)
+    mask = np.zeros((b, width - 1), dtype=bool)
+    mask[crow, ccol] = np.concatenate([_model_tokens(r) for r in rollouts])
+    inf_lp = np.zeros((b, width - 1), dtype=np.float32)
+    inf_lp[crow, ccol] = torch.cat([r.inference_logprobs.detach().float().cpu() for r in rollouts]).numpy()
     adv = torch.tensor([float(r.advantage) for r in rollouts], dtype=torch.float32)
-    routing = pad_traces(traces, width - 1) if traces else None
-    return TrainBatch(ids, mask, inf_lp, adv, routing)
+    routing = None
+    if has_traces:
+        flat = torch.cat([r.routing.long() for r in rollouts if r.routing is not None])
+        k = model_cfg.top_k
+        # Padding rows route to experts 0..top_k-1, as pad_traces does (policy/routing.py).
+        full = torch.arange(k, dtype=torch.long).expand(b, width - 1, model_cfg.num_moe_layers, k).clone()
+        full[torch.from_numpy(_rows(lens - 1)), torch.from_numpy(_offsets(lens - 1))] = flat
+        routing = full
+    return TrainBatch(torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(inf_lp), adv, routing)
+
+
+def _model_tokens(r: Rollout) -> np.ndarray:
+    """Which completion tokens are the model's (all but an episode's environment text)."""
+    if r.completion_mask is None:
+        return np.ones(len(r.completion_ids), dtype=bool)
+    return np.asarray(r.completion_mask, dtype=bool)
+
+
+def _rows(lens: np.ndarray) -> np.ndarray:
+    """The row of each element when row ``i`` holds ``lens[i]`` of them, in order."""
+    return np.repeat(np.arange(len(lens)), lens)
+
+
+def _offsets(lens: np.ndarray) -> np.ndarray:
+    """Each element's place within its row (0, 1, ... per row)."""
+    starts: np.ndarray = np.cumsum(lens) - lens
+    offsets: np.ndarray = np.arange(int(lens.sum())) - np.repeat(starts, lens)
+    return offsets
 
 
 def token_logprobs(

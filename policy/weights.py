@@ -9,6 +9,11 @@ per tensor, every field length-prefixed so no two layouts can collide::
 
 Integers are little-endian. The digest depends only on names, dtypes, shapes and values: not on
 file layout, header order, metadata, storage sharing or the order tensors were inserted.
+
+Weights on their way to inference (:func:`export_weights`) are serialised in one pass: each
+tensor is copied a piece at a time into the buffer a payload store sends from, and each piece,
+still in cache, is fed to the checksum and to the bytes' transfer digest (BLAKE3, see
+:func:`transfer_digest`), which is what a reader checks as the bytes land.
 """
 
 from __future__ import annotations
@@ -18,13 +23,15 @@ import json
 import math
 import os
 import struct
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
+from blake3 import blake3
 from safetensors import safe_open
-from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from safetensors.torch import save_file as st_save_file
 from torch import nn
@@ -51,7 +58,12 @@ _DTYPE_CODES: dict[torch.dtype, str] = {
     torch.float8_e5m2: "F8_E5M2",
 }
 
+_CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
+
 Tensors = Mapping[str, torch.Tensor]
+# Tensors are copied and hashed in pieces of this size: a piece is still in cache when it is
+# hashed after its copy.
+_PIECE = 4 << 20
 
 
 class ChecksumMismatch(ValueError):
@@ -88,20 +100,28 @@ class Hasher:
         self._last: bytes | None = None
 
     def add(self, name: str, t: torch.Tensor) -> None:
+        raw = _raw_bytes(t)
+        self.begin(name, t.dtype, tuple(t.shape), raw.nbytes)
+        self._h.update(raw)
+
+    def begin(self, name: str, dtype: torch.dtype, shape: tuple[int, ...], nbytes: int) -> None:
+        """Start a tensor whose raw bytes follow through :meth:`update` (all ``nbytes`` of them,
+        before the next tensor begins)."""
         nb = name.encode()
         if self._last is not None and nb <= self._last:
             raise ValueError(f"{name}: tensors must be added in canonical (sorted, distinct) order")
         self._last = nb
-        code = _DTYPE_CODES.get(t.dtype)
+        code = _DTYPE_CODES.get(dtype)
         if code is None:
-            raise TypeError(f"{name}: dtype {t.dtype} has no checksum code")
-        raw = _raw_bytes(t)
+            raise TypeError(f"{name}: dtype {dtype} has no checksum code")
         h = self._h
         h.update(struct.pack("<I", len(nb)) + nb)
         h.update(struct.pack("<B", len(code)) + code.encode())
-        h.update(struct.pack("<B", t.ndim) + b"".join(struct.pack("<Q", d) for d in t.shape))
-        h.update(struct.pack("<Q", raw.nbytes))
-        h.update(raw)
+        h.update(struct.pack("<B", len(shape)) + b"".join(struct.pack("<Q", d) for d in shape))
+        h.update(struct.pack("<Q", nbytes))
+
+    def update(self, raw: memoryview) -> None:
+        self._h.update(raw)
 
     def hexdigest(self) -> str:
         return self._h.hexdigest()
@@ -182,19 +202,108 @@ def weights_to_bytes(
 
 
 def weights_from_bytes(
-    data: bytes | bytearray, *, expected_checksum: str | None = None, model_cfg: Any = None
+    data: bytes | bytearray | memoryview | np.ndarray,
+    *,
+    expected_checksum: str | None = None,
+    model_cfg: Any = None,
 ) -> tuple[dict[str, torch.Tensor], str]:
-    """Canonical tensors of safetensors bytes, checksum verified. Bytes in Hugging Face layout
-    are converted first, which needs ``model_cfg``."""
-    tensors = st_load(data if isinstance(data, bytes) else bytes(data))  # safetensors takes bytes only
-    meta = read_metadata(data)
-    if meta.get(META_LAYOUT) == "hf":
-        if model_cfg is None:
-            raise ValueError(
-                "these weights are in Hugging Face layout: reading them needs the model's config"
-            )
-        tensors = from_hf(tensors, model_cfg)
+    """Canonical tensors of safetensors bytes, checksum verified (the tensors are views of
+    ``data`` where no conversion copies them). Bytes in Hugging Face layout are converted first,
+    which needs ``model_cfg``."""
+    tensors, meta = tensors_of(data)
+    tensors = canonical_tensors(tensors, meta, model_cfg)
     return tensors, _verify(tensors, meta.get(META_CHECKSUM), expected_checksum, "weights bytes")
+
+
+def canonical_tensors(
+    tensors: dict[str, torch.Tensor], meta: Mapping[str, str], model_cfg: Any
+) -> dict[str, torch.Tensor]:
+    """``tensors`` (of bytes whose metadata is ``meta``) in canonical names: converted back from
+    Hugging Face layout when the bytes are in it, which needs ``model_cfg``."""
+    if meta.get(META_LAYOUT) != "hf":
+        return tensors
+    if model_cfg is None:
+        raise ValueError("these weights are in Hugging Face layout: reading them needs the model's config")
+    return from_hf(tensors, model_cfg)
+
+
+def verified_tensors(
+    data: bytes | bytearray | memoryview | np.ndarray, expected_checksum: str, model_cfg: Any = None
+) -> dict[str, torch.Tensor]:
+    """Canonical tensors (views of ``data`` where no conversion copies them) of bytes already
+    checked against their transfer digest, which the writer took as it hashed the same bytes
+    into ``expected_checksum``: not hashed again. The checksum the bytes carry in their metadata
+    must be that one (a reference to another version's bytes is refused)."""
+    tensors, meta = tensors_of(data)
+    check_stored_checksum(meta, expected_checksum)
+    return canonical_tensors(tensors, meta, model_cfg)
+
+
+def check_stored_checksum(meta: Mapping[str, str], expected_checksum: str) -> None:
+    """The checksum weights bytes carry in their metadata must be ``expected_checksum``."""
+    stored = meta.get(META_CHECKSUM)
+    if stored != expected_checksum:
+        raise ChecksumMismatch(f"weights bytes: stored checksum {stored} but expected {expected_checksum}")
+
+
+def tensors_of(
+    data: bytes | bytearray | memoryview | np.ndarray,
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors of safetensors bytes as views of those bytes (no copy; one that would lie
+    misaligned for its dtype is copied), and the bytes' ``__metadata__``. The views keep ``data``
+    alive; they must not be written to when ``data`` is immutable. Malformed bytes (a header
+    that does not parse, a tensor out of bounds) raise ``ValueError``."""
+    view = data.reshape(-1).data if isinstance(data, np.ndarray) else memoryview(data).cast("B")
+    size = view.nbytes
+    if size < 8:
+        raise ValueError("not safetensors data: shorter than its header length")
+    (n,) = struct.unpack("<Q", view[:8])
+    if 8 + n > size:
+        raise ValueError(f"not safetensors data: a header of {n} bytes in {size}")
+    try:
+        header: dict[str, Any] = json.loads(bytes(view[8 : 8 + n]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"not safetensors data: its header does not parse ({exc})") from None
+    meta = dict(header.pop("__metadata__", None) or {})
+    base, body = 8 + n, size - 8 - n
+    addr = _buffer_address(view)
+    out: dict[str, torch.Tensor] = {}
+    with warnings.catch_warnings():
+        # torch warns of read-only buffers (bytes): the views are never written through.
+        warnings.simplefilter("ignore", UserWarning)
+        for name, info in header.items():
+            try:
+                dtype = _CODE_DTYPES[info["dtype"]]
+                shape = [int(d) for d in info["shape"]]
+                begin, end = (int(x) for x in info["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise ValueError(f"not safetensors data: tensor {name!r} is described as {info!r}") from None
+            item = torch.empty((), dtype=dtype).element_size()
+            count = math.prod(shape)
+            if not 0 <= begin <= end <= body or end - begin != count * item:
+                raise ValueError(f"tensor {name!r}: bytes {begin}..{end} do not fit {info['dtype']}{shape}")
+            if count == 0:
+                out[name] = torch.empty(shape, dtype=dtype)
+                continue
+            t = torch.frombuffer(view, dtype=dtype, count=count, offset=base + begin).view(shape)
+            out[name] = t if (addr + base + begin) % item == 0 else t.clone()
+    return out, meta
+
+
+def _buffer_address(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
+
+
+def transfer_digest(data: bytes | bytearray | memoryview | np.ndarray) -> str:
+    """The BLAKE3 digest (hex) a weights buffer travels with (WeightsReady ``blake3``): of the
+    bytes after the safetensors header, then of the header (its 8-byte length and the header
+    itself), the order in which :class:`SafetensorsBuffer` writes them (the header last)."""
+    view = data.reshape(-1).data if isinstance(data, np.ndarray) else memoryview(data).cast("B")
+    n = int.from_bytes(view[:8], "little") if view.nbytes >= 8 else view.nbytes
+    head = min(8 + n, view.nbytes)
+    h = blake3(view[head:])
+    h.update(view[:head])
+    return h.hexdigest()
 
 
 def read_metadata(data: bytes | bytearray) -> dict[str, str]:
@@ -228,50 +337,127 @@ def from_hf(hf_tensors: Tensors, model_cfg: Any) -> dict[str, torch.Tensor]:
     return titan
 
 
+class ExportedWeights(NamedTuple):
+    """Weights serialised for inference: safetensors bytes (read-only: handed over, held by no
+    one else, so a payload store may serve them where they lie), the weights checksum, and the
+    bytes' transfer digest (:func:`transfer_digest`)."""
+
+    data: memoryview
+    checksum: str
+    blake3: str
+
+
+def export_weights(
+    weights: nn.Module | Tensors, metadata: Mapping[str, str] | None = None, *, hf_config: Any = None
+) -> ExportedWeights:
+    """Serialise the weights for inference in one pass (see the module docstring): jetrl's layout,
+    or Hugging Face's with ``hf_config`` (the model's :class:`~jetrl.policy.models.ModelConfig`;
+    the checksum is still the canonical tensors')."""
+    sd = weights.state_dict() if isinstance(weights, nn.Module) else weights
+    names = canonical_order(sd)
+    tensors = {n: sd[n].detach().cpu().contiguous() for n in names}
+    convert = None
+    if hf_config is not None:
+        from jetrl.policy.models import state_dict_adapter
+
+        convert = state_dict_adapter(hf_config).to_hf
+    parts = {n: convert({n: tensors[n]}) if convert else {n: tensors[n]} for n in names}
+    specs = [(o, t.dtype, tuple(t.shape)) for n in names for o, t in parts[n].items()]
+    meta = {**(metadata or {}), **({META_LAYOUT: "hf"} if convert else {})}
+    buf, h = SafetensorsBuffer(specs, meta), Hasher()
+    for n in names:
+        if convert is None:
+            buf.put(n, tensors[n], checksum=h)  # the checksum hashes the copy as it is made
+        else:
+            h.add(n, tensors[n])
+            for o, t in parts[n].items():
+                buf.put(o, t.contiguous())
+    return buf.finish(h.hexdigest())
+
+
 class SafetensorsBuffer:
     """safetensors bytes laid out before their tensors exist, then filled one tensor at a time:
     a sharded trainer gathers each full tensor into place, so the whole weights are held once
-    (here) rather than as gathered tensors and again as their serialisation. The checksum goes
-    into the metadata last; a placeholder of its length keeps the header's size fixed."""
+    (here) rather than as gathered tensors and again as their serialisation. Tensors are copied
+    a piece at a time; each piece is hashed into the transfer digest while in cache when the
+    tensors come in file order (the order of ``specs``; others are hashed when the gap before
+    them fills), and into a checksum :class:`Hasher` when one is given. The weights checksum
+    goes into the metadata last; a placeholder of its length keeps the header's size fixed."""
 
     def __init__(
         self, specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]], metadata: Mapping[str, str]
     ):
         self._meta = dict(metadata)
         header: dict[str, Any] = {}
-        self._spans: dict[str, tuple[int, int, torch.dtype, tuple[int, ...]]] = {}
+        self._spans: dict[str, tuple[int, int, torch.dtype, tuple[int, ...], int]] = {}
         offset = 0
-        for name, dtype, shape in specs:
+        for i, (name, dtype, shape) in enumerate(specs):
             code = _DTYPE_CODES.get(dtype)
             if code is None:
                 raise TypeError(f"{name}: dtype {dtype} has no safetensors code")
             n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
             header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + n]}
-            self._spans[name] = (offset, n, dtype, tuple(shape))
+            self._spans[name] = (offset, n, dtype, tuple(shape), i)
             offset += n
         self._header = header
         self._head_len = len(self._header_bytes("0" * 64))
-        self.buf = bytearray(8 + self._head_len + offset)
-        self._filled: set[str] = set()
+        self._base = 8 + self._head_len
+        # Not zero-filled: every byte is written once, by a tensor or the header.
+        self._array = np.empty(self._base + offset, dtype=np.uint8)
+        self.buf = self._array.data
+        self._ends = [s[0] + s[1] for s in sorted(self._spans.values(), key=lambda s: s[4])]
+        self._filled = [False] * len(self._spans)
+        self._hashed = 0  # tensors, in file order, whose bytes are in the transfer digest
+        self._digest = blake3()
 
     def _header_bytes(self, digest: str) -> bytes:
         raw = json.dumps({**self._header, "__metadata__": _metadata(digest, self._meta)}).encode()
         return raw + b" " * (-len(raw) % 8)  # safetensors pads its header to 8 bytes with spaces
 
-    def put(self, name: str, t: torch.Tensor) -> None:
-        start, n, dtype, shape = self._spans[name]
+    def put(self, name: str, t: torch.Tensor, *, checksum: Hasher | None = None) -> None:
+        """Copy ``t`` into its place; with ``checksum``, add it there too (in canonical order,
+        as :meth:`Hasher.add`), from the copy as it is made."""
+        start, n, dtype, shape, index = self._spans[name]
         if t.dtype != dtype or tuple(t.shape) != shape:
             raise ValueError(f"{name}: planned {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")
-        base = 8 + self._head_len + start
-        self.buf[base : base + n] = _raw_bytes(t)
-        self._filled.add(name)
+        if self._filled[index]:
+            raise ValueError(f"{name}: filled twice")
+        raw = _raw_bytes(t)
+        dst = self.buf[self._base + start : self._base + start + n]
+        hot = index == self._hashed  # next in file order: hashed piece by piece, in cache
+        if checksum is not None:
+            checksum.begin(name, dtype, shape, n)
+        for off in range(0, n, _PIECE):
+            piece = dst[off : off + _PIECE]
+            piece[:] = raw[off : off + _PIECE]
+            if checksum is not None:
+                checksum.update(piece)
+            if hot:
+                self._digest.update(piece)
+        self._filled[index] = True
+        if hot:
+            self._hashed += 1
+        self._catch_up()
 
-    def finish(self, digest: str) -> bytearray:
-        if missing := set(self._spans) - self._filled:
+    def _catch_up(self) -> None:
+        """Hash the tensors filled out of order once those before them are filled."""
+        while self._hashed < len(self._filled) and self._filled[self._hashed]:
+            i = self._hashed
+            begin = self._ends[i - 1] if i else 0
+            self._digest.update(self.buf[self._base + begin : self._base + self._ends[i]])
+            self._hashed += 1
+
+    def finish(self, digest: str) -> ExportedWeights:
+        """The bytes, handed over (not copied), with ``digest`` (the weights checksum) in their
+        metadata, and their transfer digest."""
+        if missing := [name for name, s in self._spans.items() if not self._filled[s[4]]]:
             raise ValueError(f"tensors never filled: {sorted(missing)[:5]}")
         head = self._header_bytes(digest)
         assert len(head) == self._head_len  # the digest replaced a placeholder of its length
         self.buf[:8] = struct.pack("<Q", len(head))
         self.buf[8 : 8 + len(head)] = head
-        data, self.buf = self.buf, bytearray()  # handed over, not copied
-        return data
+        self._digest.update(self.buf[: self._base])
+        data = self.buf.toreadonly()
+        self.buf = memoryview(b"")
+        del self._array
+        return ExportedWeights(data, digest, self._digest.hexdigest())

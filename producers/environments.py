@@ -17,7 +17,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from jetrl.bus.plugins import load_plugin
+from jetrl import plugins
 from jetrl.policy.tokenizer import Tokenizer, make_tokenizer
 
 
@@ -180,30 +180,20 @@ class ChainSumEnv(ModSumEnv):
         )
 
 
+# This module's environments by name (each registered in jetrl/plugins.py, with the others).
 ENVIRONMENTS: dict[str, type[Environment]] = {
     cls.name: cls for cls in (ReverseEnv, SortEnv, ModSumEnv, ChainSumEnv)
 }
 
 
-# Environments in modules of their own ("module:class"), imported when asked for: they import
-# this module, and verifiers is an optional extra.
-LAZY_ENVIRONMENTS: dict[str, str] = {
-    "verifiers": "jetrl.producers.verifiers_env:VerifiersEnv",
-    "arithmetic": "jetrl.producers.arithmetic:ArithmeticEnv",
-    "calculator": "jetrl.producers.tool_env:CalculatorToolEnv",
-    "parity": "jetrl.producers.parity:ParityEnv",
-}
-
-
 def make_environment(name: str, tokenizer: Tokenizer | None = None, **params: Any) -> Environment:
-    """The environment ``name`` names: a built-in, or any ``package.module:Class`` (a subclass
-    of Environment in the user's own code, imported when asked for)."""
-    cls = ENVIRONMENTS.get(name)
-    if cls is None:
-        if name not in LAZY_ENVIRONMENTS and ":" not in name:
-            known = sorted([*ENVIRONMENTS, *LAZY_ENVIRONMENTS])
-            raise KeyError(f"unknown environment {name!r}; known: {known} or 'package.module:Class'")
-        cls = load_plugin(name, LAZY_ENVIRONMENTS, "environment")
-        if not (isinstance(cls, type) and issubclass(cls, Environment)):
-            raise ValueError(f"environment {name!r} is {cls!r}, not a subclass of Environment")
+    """The environment ``name`` names in the plugin registry (jetrl/plugins.py, ``ENVIRONMENTS``:
+    a built-in, an installed package's, or any ``package.module:Class``, a subclass of
+    Environment in the user's own code), imported when asked for."""
+    try:
+        cls = plugins.ENVIRONMENTS.load(name)
+    except plugins.UnknownPlugin as exc:
+        raise KeyError(str(exc)) from None
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
+        raise ValueError(f"environment {name!r} is {cls!r}, not a subclass of Environment")
     return cls(tokenizer, **params)

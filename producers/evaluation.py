@@ -4,7 +4,7 @@ Every ``eval_every`` policy versions (the trainer's latest, as the producer trac
 producer hands out its environment's ``eval_tasks(n)`` as TaskSubmitted events of their own id
 namespace (:func:`ids.eval_task_id`) marked ``info["eval"]``, ``eval_samples`` samples each, with
 ``min_policy_version`` the evaluated version. Their completions are scored as usual (a multi-turn
-episode goes through its FollowUp turns), but into the evaluation, never into a RolloutScored:
+episode goes through its FollowUp turns), but into the evaluation, never into a RolloutsScored:
 the trainer takes nothing else, so nothing of an evaluation is trained on. Once every sample is
 scored, one EvaluationReported follows (event id from tenant, env and version).
 
@@ -158,12 +158,15 @@ class Evaluator:
             gens = subjects.generation_subject(p.run_id, self.s.tenant, self.s.name)
             async for item in p.tail(gens, from_seq=min(seqs), to_head=True):
                 g = item.event.body if item.event else None
-                task = p.tasks.get(g.task_id) if isinstance(g, ev.GenerationCompleted) else None
-                if isinstance(g, ev.GenerationCompleted) and task is not None and ids.is_eval_task(g.task_id):
-                    completion = await self._completion(g)
-                    result = await p.env.areact(task.info, g.turn, completion)
+                if not isinstance(g, ev.CompletionsGenerated) or not ids.is_eval_task(g.task_id):
+                    continue
+                task = p.tasks.get(g.task_id)
+                if task is None:
+                    continue
+                for smp in g.samples:
+                    result = await p.env.areact(task.info, g.turn, await self._completion(smp))
                     if isinstance(result, Score):  # a FollowUp's next turn is in the log already
-                        self.record(task, g, result)
+                        self.record(task, g, smp, result)
         for e in open_:
             await self._hand_out(e)  # what a crash mid-submission left out
             if e.complete:
@@ -239,7 +242,9 @@ class Evaluator:
 
     # ---------------------------------------------------------------- scores in
 
-    def record(self, task: ev.TaskSubmitted, g: ev.GenerationCompleted, score: Score) -> Evaluation | None:
+    def record(
+        self, task: ev.TaskSubmitted, g: ev.CompletionsGenerated, smp: ev.Completion, score: Score
+    ) -> Evaluation | None:
         """One sample's final score (the first one counts); the evaluation it belongs to."""
         spec = task.info.get(EVAL_KEY)
         e = self.evals.get(int(spec["version"])) if isinstance(spec, dict) else None
@@ -247,7 +252,7 @@ class Evaluator:
             return None
         episode = task.episode
         if episode is None:
-            key, start = (g.task_id, g.sample_index), g.policy_version_start
+            key, start = (g.task_id, smp.sample_index), g.policy_version_start
         else:
             key, start = (
                 (episode.task_id, episode.sample_index),
@@ -256,11 +261,17 @@ class Evaluator:
         e.results.setdefault(key, Sample(float(score.reward), success(score), start, g.policy_version_end))
         return e
 
-    async def scored(self, d: Delivery[ev.GenerationCompleted], task: ev.TaskSubmitted, score: Score) -> None:
-        """What the producer does with an evaluation sample's score instead of a RolloutScored."""
-        e = self.record(task, d.body, score)
-        if e is not None and e.complete and not e.reported:
-            await self._report(e, cause=d.event)
+    async def scored(
+        self,
+        d: Delivery[ev.CompletionsGenerated],
+        task: ev.TaskSubmitted,
+        scores: list[tuple[ev.Completion, Score]],
+    ) -> None:
+        """What the producer does with an evaluation's scores instead of a RolloutsScored."""
+        for smp, score in scores:
+            e = self.record(task, d.body, smp, score)
+            if e is not None and e.complete and not e.reported:
+                await self._report(e, cause=d.event)
 
     async def _report(self, e: Evaluation, cause: ev.Event | None) -> None:
         p = self.p
@@ -288,7 +299,7 @@ class Evaluator:
             reward_mean=round(body.reward_mean, 4),
         )
 
-    async def _completion(self, g: ev.GenerationCompleted) -> list[int]:
+    async def _completion(self, smp: ev.Completion) -> list[int]:
         assert self.p.payloads is not None
-        arr = await self.p.payloads.get_array(g.completion_tokens)
+        arr = await self.p.payloads.get_array(smp.completion_tokens)
         return [int(t) for t in np.asarray(arr, np.int64)]

@@ -4,7 +4,7 @@ served to anything that speaks the OpenAI API (a verifiers harness or eval, an a
 
 A request is one TaskSubmitted (``n`` samples as its group, on the gateway's own env subject,
 so no producer scores it and the trainer never sees it) that the run's inference workers take
-like any other; the answer is built from the GenerationCompleted events that come back. Nothing
+like any other; the answer is built from the CompletionsGenerated event that comes back. Nothing
 calls a worker directly: the gateway is one more producer of tasks, and the log keeps every
 request and answer (the recorder projects them like the rest). A task the workers refuse (its
 dead letter: a prompt past the context, a tenant the run does not have, a tenant over its
@@ -18,10 +18,9 @@ OpenAI error object ``{"error": {"message", "type", "param", "code"}}``: 400
 500 only for a bug (logged with its traceback).
 
 ``stream: true`` answers with server-sent events of ``chat.completion.chunk`` objects. The
-workers publish each sample's completion whole (one GenerationCompleted), so the stream's
-granularity is one sample, not one token: as each of the ``n`` samples arrives (in whatever
-order the workers finish them), its choice gets a chunk with the role, one with its whole text
-(and logprobs when asked), and one with its ``finish_reason``; then, with
+workers publish a task's samples whole (one CompletionsGenerated), so the stream's granularity
+is one sample, not one token: each of the ``n`` samples' choice gets a chunk with the role, one
+with its whole text (and logprobs when asked), and one with its ``finish_reason``; then, with
 ``stream_options.include_usage``, a chunk with empty ``choices`` and the ``usage``; then
 ``data: [DONE]``. A client that goes away mid-stream cancels nothing in the run (the task is
 generated anyway, and kept in the log) and leaves nothing behind in the gateway.
@@ -107,7 +106,23 @@ class _Stopping:
     """Put in a pending request's queue when the gateway stops."""
 
 
-Arrival = ev.GenerationCompleted | ev.DeadLettered | _Stopping
+@dataclass(frozen=True)
+class _Sample:
+    """One sample of a gateway task's CompletionsGenerated, as the answer uses it."""
+
+    completion: ev.Completion
+    policy_version_end: int
+
+    @property
+    def sample_index(self) -> int:
+        return self.completion.sample_index
+
+    @property
+    def generation_id(self) -> str:
+        return self.completion.generation_id
+
+
+Arrival = _Sample | ev.DeadLettered | _Stopping
 
 
 @dataclass
@@ -212,19 +227,20 @@ class ChatGateway:
         async for item in self.bus.tail(self.run_id, filter_subject=subject, from_seq=from_seq):
             e = item.event
             g = e.body if e else None
-            if e is None or not isinstance(g, ev.GenerationCompleted):
+            if e is None or not isinstance(g, ev.CompletionsGenerated):
                 continue
             p = self.pending.get(g.task_id)
             if (
                 p is None  # another gateway's, or one released
                 or e.tenant != p.tenant  # the envelope and the subject: both the asker's tenant
                 or subjects.tenant_of(item.subject) != p.tenant
-                or not 0 <= g.sample_index < p.n
-                or g.sample_index in p.seen  # a repeat
             ):
                 continue
-            p.seen.add(g.sample_index)
-            p.arrived.put_nowait(g)
+            for smp in g.samples:
+                if not 0 <= smp.sample_index < p.n or smp.sample_index in p.seen:  # a repeat
+                    continue
+                p.seen.add(smp.sample_index)
+                p.arrived.put_nowait(_Sample(smp, g.policy_version_end))
 
     async def _follow_dead_letters(self, from_seq: int) -> None:
         subject = subjects.dlq_subject(self.run_id, self._tenant_filter())
@@ -309,7 +325,7 @@ class ChatGateway:
         self.pending.pop(task_id, None)
         self._by_event.pop(ids.task_event_id(self.run_id, task_id), None)
 
-    async def _arrivals(self, p: _Pending, deadline: float) -> AsyncGenerator[ev.GenerationCompleted, None]:
+    async def _arrivals(self, p: _Pending, deadline: float) -> AsyncGenerator[_Sample, None]:
         """The task's completions as they come, until all ``n``; a refusal or the deadline raises."""
         loop = asyncio.get_running_loop()
         for _ in range(p.n):
@@ -324,10 +340,11 @@ class ChatGateway:
                 raise ApiError(503, "the gateway is stopping", "server_error", "unavailable")
             yield got
 
-    async def _tokens(self, g: ev.GenerationCompleted, want_logprobs: bool) -> tuple[list[int], list[float]]:
+    async def _tokens(self, g: _Sample, want_logprobs: bool) -> tuple[list[int], list[float]]:
         assert self.payloads is not None
-        toks = (await self.payloads.get_array(g.completion_tokens)).astype(np.int64).tolist()
-        lps = (await self.payloads.get_array(g.logprobs)).astype(np.float64).tolist() if want_logprobs else []
+        c = g.completion
+        toks = (await self.payloads.get_array(c.completion_tokens)).astype(np.int64).tolist()
+        lps = (await self.payloads.get_array(c.logprobs)).astype(np.float64).tolist() if want_logprobs else []
         return toks, lps
 
     def _logprobs(self, toks: list[int], lps: list[float]) -> dict[str, Any]:
@@ -355,9 +372,7 @@ class ChatGateway:
             self._release(task_id)
             self.tasks[outcome] += 1
 
-    async def _response(
-        self, task_id: str, req: ChatRequest, gens: list[ev.GenerationCompleted]
-    ) -> dict[str, Any]:
+    async def _response(self, task_id: str, req: ChatRequest, gens: list[_Sample]) -> dict[str, Any]:
         gens = sorted(gens, key=lambda g: g.sample_index)
         choices, completion_tokens = [], 0
         for g in gens:
@@ -367,7 +382,7 @@ class ChatGateway:
                 "index": g.sample_index,
                 "message": {"role": "assistant", "content": self.tok.decode(toks)},
                 "logprobs": self._logprobs(toks, lps) if req.logprobs else None,
-                "finish_reason": finish_reason(g.finish_reason),
+                "finish_reason": finish_reason(g.completion.finish_reason),
             }
             choices.append(choice)
         return {
@@ -380,7 +395,7 @@ class ChatGateway:
             "jetrl": self._provenance(task_id, gens),
         }
 
-    def _provenance(self, task_id: str, gens: list[ev.GenerationCompleted]) -> dict[str, Any]:
+    def _provenance(self, task_id: str, gens: list[_Sample]) -> dict[str, Any]:
         return {
             "run_id": self.run_id,
             "task_id": task_id,
@@ -396,7 +411,7 @@ class ChatGateway:
         ``{"error": ...}`` event (what OpenAI's clients raise on)."""
         w = ChunkWriter(f"chatcmpl-{ids.task_number(task_id)}", self.s.model, req.include_usage)
         resp: web.StreamResponse | None = None
-        gens: list[ev.GenerationCompleted] = []
+        gens: list[_Sample] = []
         completion_tokens = 0
         try:
             async with contextlib.aclosing(self._arrivals(p, deadline)) as arrivals:
@@ -418,7 +433,7 @@ class ChatGateway:
                         + w.choice(
                             i,
                             {},
-                            finish_reason(g.finish_reason),
+                            finish_reason(g.completion.finish_reason),
                             jetrl={**mine, "policy_version": g.policy_version_end},
                         )
                     )

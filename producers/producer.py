@@ -6,9 +6,11 @@ policy at least as new as the trainer's latest version. With ``max_off_policy_st
 the synchronous on-policy loop; above, inference runs ahead of the trainer by that many steps.
 
 Scores in: a durable consumer on the environment's generation subject scores each
-GenerationCompleted into a RolloutScored (event id derived from the generation's, so a
-redelivered generation is scored once). An optional simulated latency (lognormal) stands in for
-slow environments such as sandboxes and tool calls; scoring runs concurrently.
+CompletionsGenerated (a task's samples) into one RolloutsScored (event id derived from the
+generation's, so a redelivered generation is scored once): a group's rollouts in one event, or,
+in a multi-turn environment, each episode's rollout as the episode ends. An optional simulated
+latency (lognormal) stands in for slow environments such as sandboxes and tool calls; scoring
+runs concurrently.
 
 Evaluation (producers/evaluation.py): every ``eval_every`` policy versions, the environment's
 held-out split, scored into one EvaluationReported instead of rollouts.
@@ -41,6 +43,7 @@ from jetrl.bus.client import Bus, TailItem
 from jetrl.bus.consumer import ConsumerSpec, Delivery, Reject
 from jetrl.bus.log import get_logger
 from jetrl.bus.payloads import NoPayloadStore, ObjectStorePayloads, PayloadError, Payloads, log_array
+from jetrl.bus.publisher import Publisher
 from jetrl.bus.streams import StreamLimits, view_stream_name
 from jetrl.policy.tokenizer import tokenizer_for
 from jetrl.producers.environments import Environment, FollowUp, Score, make_environment
@@ -90,13 +93,22 @@ class EnvProducer:
     # ---------------------------------------------------------------- log watchers
 
     def tail(
-        self, subject: str, *, from_seq: int | None = None, to_head: bool = False
+        self,
+        subject: str,
+        *,
+        from_seq: int | None = None,
+        to_head: bool = False,
+        types: frozenset[str] | None = None,
     ) -> AsyncIterator[TailItem]:
         """Read ``subject`` of the run in order: from the log, or from the tenant's view (whose
         sequences are its own: items carry the log's, so ``from_seq`` is not used there)."""
         if self.view is not None:
-            return self.bus.tail(self.run_id, filter_subject=subject, to_head=to_head, stream=self.view)
-        return self.bus.tail(self.run_id, filter_subject=subject, from_seq=from_seq, to_head=to_head)
+            return self.bus.tail(
+                self.run_id, filter_subject=subject, to_head=to_head, stream=self.view, types=types
+            )
+        return self.bus.tail(
+            self.run_id, filter_subject=subject, from_seq=from_seq, to_head=to_head, types=types
+        )
 
     async def wait_for_view(self, stop: asyncio.Event) -> bool:
         """A tenant's view is made by jetrl (the run's supervisor, or `jetrl tenants join
@@ -147,7 +159,8 @@ class EnvProducer:
 
     async def watch_withheld(self) -> None:
         subj = subjects.rollout_subject(self.run_id, self.s.tenant, self.s.name)
-        async for item in self.tail(subj):
+        # The subject carries this env's scored groups too: those are not read.
+        async for item in self.tail(subj, types=frozenset({ev.RolloutWithheld.TYPE})):
             b = item.event.body if item.event else None
             if isinstance(b, ev.RolloutWithheld) and b.group_id.startswith(self.prefix):
                 self.resolved.add(b.group_id)
@@ -181,6 +194,9 @@ class EnvProducer:
         rng = random.Random(self.part.seed * 7919 + self.submitted)
         while not stop.is_set():
             await self.evaluator.maybe_start(self.trainer_version)
+            # The window's free slots in one go, pipelined: a worker finds them together and
+            # generates them as one batch rather than as they trickle in.
+            pub = self.bus.publisher(max_inflight=256)
             while self.outstanding < self.window and not stop.is_set():
                 task = self.env.make_task(rng)
                 await self.hand_out(
@@ -190,8 +206,10 @@ class EnvProducer:
                     prompt_text=task.prompt_text,
                     max_tokens=task.max_tokens,
                     info={**task.info, "max_tokens": task.max_tokens},
+                    pub=pub,
                 )
                 self.submitted += 1
+            await pub.flush()
             self.changed.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.changed.wait(), timeout=1.0)
@@ -203,11 +221,13 @@ class EnvProducer:
         cause: ev.Event | None = None,
         min_policy_version: int | None = None,
         temperature: float | None = None,
+        pub: Publisher | None = None,
         **fields: Any,
     ) -> None:
         """Publish one model turn as a TaskSubmitted (its id derived from the task's, so a
         restarted producer that hands it out again is deduplicated) and keep it to score the
-        answers. By default it asks for the trainer's latest version at the env's temperature."""
+        answers. By default it asks for the trainer's latest version at the env's temperature.
+        With ``pub``, the publish is pipelined: durable once ``pub`` is flushed."""
         body = ev.TaskSubmitted(
             task_id=task_id,
             env=self.s.name,
@@ -216,15 +236,17 @@ class EnvProducer:
             **fields,
         )
         self.tasks[task_id] = body
-        await self.bus.publish(
-            ev.new_event(
-                body,
-                run_id=self.run_id,
-                tenant=cause.tenant if cause else self.s.tenant,
-                causation_id=cause.event_id if cause else None,
-                event_id=ids.task_event_id(self.run_id, task_id),
-            )
+        event = ev.new_event(
+            body,
+            run_id=self.run_id,
+            tenant=cause.tenant if cause else self.s.tenant,
+            causation_id=cause.event_id if cause else None,
+            event_id=ids.task_event_id(self.run_id, task_id),
         )
+        if pub is None:
+            await self.bus.publish(event)
+        else:
+            await pub.publish(event)
 
     # ---------------------------------------------------------------- scores in
 
@@ -233,49 +255,63 @@ class EnvProducer:
             return 0.0
         return self.latency_rng.lognormvariate(math.log(self.s.latency_median_s), self.s.latency_sigma)
 
-    async def score(self, d: Delivery[ev.GenerationCompleted]) -> None:
+    async def score(self, d: Delivery[ev.CompletionsGenerated]) -> None:
+        """Score a task's samples: each one's score, or its episode's next turn; the scores of
+        a group in one RolloutsScored (an evaluation's into its report instead)."""
         g = d.body
         task = self.tasks.get(g.task_id)
         if task is None:
             raise Reject(f"generation for unknown task {g.task_id!r}", reason="invalid")
+        if sorted(s.sample_index for s in g.samples) != list(range(task.group_size)):
+            raise Reject(
+                f"generation of task {g.task_id!r}: samples {[s.sample_index for s in g.samples]} "
+                f"for a task of {task.group_size}",
+                reason="invalid",
+            )
         assert self.payloads is not None
         try:
-            completion = (await self.payloads.get_array(g.completion_tokens)).astype(np.int64).tolist()
+            completions = [
+                (await self.payloads.get_array(s.completion_tokens)).astype(np.int64).tolist()
+                for s in g.samples
+            ]
         except PayloadError as exc:  # never readable here: a dead letter, not retries
-            raise Reject(f"generation {g.generation_id}: {exc}", reason="unreadable") from None
-        delay = self.latency()
+            raise Reject(f"generation of task {g.task_id}: {exc}", reason="unreadable") from None
+        # Each sample's environment may take its time (a sandbox, a tool): side by side.
+        delay = max((self.latency() for _ in g.samples), default=0.0)
         if delay:
             async with d.keep_alive(every=10.0):
                 await asyncio.sleep(delay)
-        result = await self.env.areact(task.info, g.turn, completion)
-        if isinstance(result, FollowUp):
-            await self.next_turn(d, g, task, completion, result)
+        if type(self.env).areact is Environment.areact:  # scored in place: no task a sample
+            results = [self.env.react(task.info, g.turn, c) for c in completions]
+        else:  # an environment whose scoring awaits: the samples side by side
+            results = list(
+                await asyncio.gather(*(self.env.areact(task.info, g.turn, c) for c in completions))
+            )
+        scores: list[tuple[ev.Completion, list[int], Score]] = []
+        for sample, completion, result in zip(g.samples, completions, results, strict=True):
+            if isinstance(result, FollowUp):
+                await self.next_turn(d, g, sample, task, completion, result)
+            else:
+                scores.append((sample, completion, result))
+        if not scores:
             return
         if ids.is_eval_task(g.task_id):  # held out: into the evaluation, never a rollout
-            await self.evaluator.scored(d, task, result)
+            await self.evaluator.scored(d, task, [(smp, score) for smp, _, score in scores])
             return
-        trace = None if g.routing_trace is None else log_array(d.seq, "routing_trace", g.routing_trace)
         if task.episode is None:
-            body = ev.RolloutScored(
-                rollout_id=g.generation_id,
+            body = ev.RolloutsScored(
                 generation_event_id=d.event.event_id,
                 task_id=g.task_id,
                 env=g.env,
-                group_id=g.group_id,
-                sample_index=g.sample_index,
-                group_size=g.group_size,
-                reward=float(result.reward),
-                reward_parts=result.parts,
+                group_id=g.task_id,
+                group_size=task.group_size,
                 # The generation's arrays, not a second copy of them (bus/payloads.py).
-                prompt_tokens=log_array(d.seq, "prompt_tokens", g.prompt_tokens),
-                completion_tokens=log_array(d.seq, "completion_tokens", g.completion_tokens),
-                logprobs=log_array(d.seq, "logprobs", g.logprobs),
-                routing_trace=trace,
-                policy_version_start=g.policy_version_start,
-                policy_version_end=g.policy_version_end,
+                prompt_tokens=g.prompt_tokens,
+                rollouts=[self.rollout_of(d.seq, g, smp, score) for smp, _, score in scores],
             )
         else:
-            body = await self.episode_rollout(d, g, task.episode, completion, result, trace)
+            ((smp, completion, score),) = scores  # a later turn has one sample
+            body = await self.episode_rollout(d, g, smp, task.episode, completion, score)
         await self.bus.publish(
             ev.new_event(
                 body,
@@ -285,12 +321,32 @@ class EnvProducer:
                 event_id=ids.scored_event_id(self.run_id, d.event.event_id),
             )
         )
-        self.scored += 1
+        self.scored += len(body.rollouts)
+
+    @staticmethod
+    def rollout_of(
+        seq: int, g: ev.CompletionsGenerated, smp: ev.Completion, score: Score
+    ) -> ev.ScoredRollout:
+        """A single-turn sample's rollout: its arrays where they lie in the generation (``seq``)."""
+        at = f"samples.{g.samples.index(smp)}"
+        trace = smp.routing_trace
+        return ev.ScoredRollout(
+            rollout_id=ids.rollout_id(g.task_id, smp.sample_index),
+            sample_index=smp.sample_index,
+            reward=float(score.reward),
+            reward_parts=score.parts,
+            completion_tokens=log_array(seq, f"{at}.completion_tokens", smp.completion_tokens),
+            logprobs=log_array(seq, f"{at}.logprobs", smp.logprobs),
+            routing_trace=None if trace is None else log_array(seq, f"{at}.routing_trace", trace),
+            policy_version_start=g.policy_version_start,
+            policy_version_end=g.policy_version_end,
+        )
 
     async def next_turn(
         self,
-        d: Delivery[ev.GenerationCompleted],
-        g: ev.GenerationCompleted,
+        d: Delivery[ev.CompletionsGenerated],
+        g: ev.CompletionsGenerated,
+        smp: ev.Completion,
         task: ev.TaskSubmitted,
         completion: list[int],
         reply: FollowUp,
@@ -302,18 +358,18 @@ class EnvProducer:
         episode = task.episode
         if episode is None:
             episode = ev.EpisodeState(
-                group_id=g.group_id,
-                sample_index=g.sample_index,
-                group_size=g.group_size,
+                group_id=g.task_id,
+                sample_index=smp.sample_index,
+                group_size=task.group_size,
                 task_id=g.task_id,
-                prompt=(await self.payloads.get_array(g.prompt_tokens)).astype(np.int64).tolist(),
+                prompt=list(task.prompt_tokens),
                 completion=[],
                 mask=[],
                 logprobs=[],
                 version_start=g.policy_version_start,
                 max_tokens=int(task.info.get("max_tokens", 0)),
             )
-        logprobs = (await self.payloads.get_array(g.logprobs)).astype(np.float64).tolist()
+        logprobs = (await self.payloads.get_array(smp.logprobs)).astype(np.float64).tolist()
         follow = self.env.tok.encode_reply(reply.text, role=reply.role)
         if not completion or completion[-1] not in self.env.tok.stop_ids:
             # The turn ran out of tokens: close it as the template would (its end-of-turn
@@ -327,7 +383,7 @@ class EnvProducer:
             version_start=min(episode.version_start, g.policy_version_start),
         )
         await self.hand_out(
-            ids.turn_task_id(g.generation_id, g.turn + 1),
+            ids.turn_task_id(smp.generation_id, g.turn + 1),
             group_size=1,
             prompt_tokens=[*episode.prompt, *episode.completion],
             prompt_text=reply.text,
@@ -343,43 +399,55 @@ class EnvProducer:
 
     async def episode_rollout(
         self,
-        d: Delivery[ev.GenerationCompleted],
-        g: ev.GenerationCompleted,
+        d: Delivery[ev.CompletionsGenerated],
+        g: ev.CompletionsGenerated,
+        smp: ev.Completion,
         episode: ev.EpisodeState,
         completion: list[int],
         score: Score,
-        trace: ev.ArrayRef | None,
-    ) -> ev.RolloutScored:
+    ) -> ev.RolloutsScored:
         """The whole episode as one rollout: the first prompt, then every turn, with a mask that
         keeps the environment's text out of the loss."""
         assert self.payloads is not None
-        logprobs = (await self.payloads.get_array(g.logprobs)).astype(np.float32).tolist()
+        logprobs = (await self.payloads.get_array(smp.logprobs)).astype(np.float32).tolist()
         tokens = [*episode.completion, *completion]
         mask = [*episode.mask, *([1] * len(completion))]
         lps = [*episode.logprobs, *logprobs]
         rid = ids.rollout_id(episode.group_id, episode.sample_index)
         name = ids.episode_payload_id(self.run_id, rid)
-        return ev.RolloutScored(
-            rollout_id=rid,
+        put = self.payloads.put_array
+        prompt, tokens_ref, lps_ref, mask_ref = await asyncio.gather(
+            put(f"prompt-{name}", np.asarray(episode.prompt, np.int32)),
+            put(f"tokens-{name}", np.asarray(tokens, np.int32)),
+            put(f"logprobs-{name}", np.asarray(lps, np.float32)),
+            put(f"mask-{name}", np.asarray(mask, np.uint8)),
+        )
+        trace = smp.routing_trace
+        return ev.RolloutsScored(
             generation_event_id=d.event.event_id,
             task_id=episode.task_id,
             env=g.env,
             group_id=episode.group_id,
-            sample_index=episode.sample_index,
             group_size=episode.group_size,
-            reward=float(score.reward),
-            reward_parts=score.parts,
-            prompt_tokens=await self.payloads.put_array(
-                f"prompt-{name}", np.asarray(episode.prompt, np.int32)
-            ),
-            completion_tokens=await self.payloads.put_array(f"tokens-{name}", np.asarray(tokens, np.int32)),
-            logprobs=await self.payloads.put_array(f"logprobs-{name}", np.asarray(lps, np.float32)),
-            completion_mask=await self.payloads.put_array(f"mask-{name}", np.asarray(mask, np.uint8)),
-            # The last turn's trace covers the whole conversation (its prompt is the history).
-            routing_trace=trace,
-            policy_version_start=episode.version_start,
-            policy_version_end=g.policy_version_end,
-            turns=g.turn + 1,
+            prompt_tokens=prompt,
+            rollouts=[
+                ev.ScoredRollout(
+                    rollout_id=rid,
+                    sample_index=episode.sample_index,
+                    reward=float(score.reward),
+                    reward_parts=score.parts,
+                    completion_tokens=tokens_ref,
+                    logprobs=lps_ref,
+                    completion_mask=mask_ref,
+                    # The last turn's trace covers the whole conversation (its prompt is the history).
+                    routing_trace=None
+                    if trace is None
+                    else log_array(d.seq, f"samples.{g.samples.index(smp)}.routing_trace", trace),
+                    policy_version_start=episode.version_start,
+                    policy_version_end=g.policy_version_end,
+                    turns=g.turn + 1,
+                )
+            ],
         )
 
     async def score_loop(self, stop: asyncio.Event) -> None:
@@ -393,7 +461,7 @@ class EnvProducer:
                 max_deliver=5,
                 max_ack_pending=100_000,
             ),
-            ev.GenerationCompleted,
+            ev.CompletionsGenerated,
         )
         await consumer.run(
             self.score,

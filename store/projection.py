@@ -18,8 +18,9 @@ store): one ``executemany`` on SQLite, and on PostgreSQL a binary ``COPY`` into 
 staging table followed by one ``INSERT ... SELECT ... ON CONFLICT`` (docs/store.md, "Speed").
 
 This module holds the fold, the SQL and the tracking row; what each event writes is in
-store/projectors.py, each table's key and column groups in store/specs.py, and columns
-computed from others (staleness) in store/derived.py, shared by the fold and the SQL.
+store/projectors.py (from the fact it states, store/readmodel), each table's key and column
+groups in store/specs.py, and columns computed from others (staleness) in store/derived.py,
+shared by the fold and the SQL.
 """
 
 from __future__ import annotations

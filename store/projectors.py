@@ -1,9 +1,12 @@
-"""Event → row parts: one projector per event body type, chosen from :data:`PROJECTORS`.
+"""Fact → row parts: one projector per fact of the read model, chosen from :data:`PROJECTORS`.
 
-A projector turns one event of the log into the parts of rows it writes (:class:`Partial`): the
+An event of the log is read as its fact (store/readmodel: what the event means is said there
+once), and a projector turns the fact into the parts of rows it writes (:class:`Partial`): the
 table spec and key, the group of columns it owns (or none for a whole-row fact) and defaults
-for columns still empty on insert. Merging parts into rows is the fold's job
-(store/projection.py); which columns make a group is the specs' (store/specs.py).
+for columns still empty on insert. What is left here is storage: column names and the values
+SQL and JSON can hold. Merging parts into rows is the fold's job (store/projection.py); which
+columns make a group is the specs' (store/specs.py); reading the rows back as facts is
+store/readmodel/stored.py's.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeAlias, TypeVar, cast
 
 from jetrl.bus import events as ev
+from jetrl.store import readmodel as rm
 from jetrl.store.specs import (
     ALERTS,
     DEAD_LETTERS,
@@ -84,344 +88,303 @@ def _number(v: float) -> float | None:
     return None if math.isnan(v) else v
 
 
-_ITEMSIZE = {
-    "uint8": 1,
-    "uint16": 2,
-    "int32": 4,
-    "int64": 8,
-    "float16": 2,
-    "bfloat16": 2,
-    "float32": 4,
-    "float64": 8,
-}
-
-
-def _ref(a: ev.ArrayRef | None) -> dict[str, Any] | None:
-    if a is None:
-        return None
-    if isinstance(a, ev.InlineArray):
-        # The bytes stay in the log (the event's seq finds them); the store keeps the shape.
-        return {"inline": True, "dtype": a.dtype, "shape": list(a.shape), "size": len(a.data)}
-    if isinstance(a, ev.LogArray):
-        # Another event's inline array (a rollout's is its generation's): where it lies.
-        return {"log_seq": a.seq, "field": a.field, "dtype": a.dtype, "shape": list(a.shape)}
-    out: dict[str, Any] = {
-        "store": a.store,
-        "bucket": a.bucket,
-        "name": a.name,
-        "size": a.size,
-        "sha256": a.sha256,
-    }
-    if a.dtype is not None:
-        out["dtype"] = a.dtype
-    if a.shape is not None:
-        out["shape"] = list(a.shape)
-    return out
-
-
-def _length(a: ev.ArrayRef) -> int | None:
-    shape = a.shape
-    if shape:
-        return int(shape[0])
-    if isinstance(a, ev.PayloadRef) and a.dtype in _ITEMSIZE:
-        return a.size // _ITEMSIZE[a.dtype]
-    return None
-
-
 def _location_uri(loc: ev.PayloadRef) -> str:
     return f"{loc.store}://{loc.bucket}/{loc.name}"
-
-
-def _worker_kind(subject: str) -> str:
-    # jetrl.<run>.worker.<kind>.<id>: WeightsLoaded carries no kind of its own.
-    parts = subject.split(".")
-    return parts[3] if len(parts) == 5 and parts[2] == "worker" else "inference"
 
 
 # ----------------------------------------------------------------------------- projectors
 
 
-def _run_started(item: Logged, b: ev.RunStarted) -> list[Partial]:
-    e = item.event
+def _started(run: str, f: rm.Started) -> list[Partial]:
     values = {
-        "tenant": e.tenant,
-        "config": b.config,
-        "code_version": b.code_version,
-        "host": b.host,
-        "library_versions": dict(b.library_versions),
-        "started_at": e.time,
-        "started_event_id": e.event_id,
+        "tenant": f.tenant,
+        "config": f.config,
+        "code_version": f.code_version,
+        "host": f.host,
+        "library_versions": dict(f.library_versions),
+        "started_at": f.t,
+        "started_event_id": f.event_id,
     }
-    return [Partial(RUNS, (e.run_id,), item.seq, values, "started_seq", {"status": "running"})]
+    return [Partial(RUNS, (run,), f.seq, values, "started_seq", {"status": "running"})]
 
 
-def _run_resumed(item: Logged, b: ev.RunResumed) -> list[Partial]:
+def _resumed(run: str, f: rm.Resumed) -> list[Partial]:
     # The run is running again: its lifecycle group (last wins) until it finishes anew. Its
     # config stays RunStarted's; the resume's is in the log.
-    e = item.event
     values = {"status": "running", "steps": None, "finish_reason": None, "finished_at": None}
-    return [Partial(RUNS, (e.run_id,), item.seq, values, "finished_seq", {"tenant": e.tenant})]
+    return [Partial(RUNS, (run,), f.seq, values, "finished_seq", {"tenant": f.tenant})]
 
 
-def _run_finished(item: Logged, b: ev.RunFinished) -> list[Partial]:
-    e = item.event
-    values = {"status": b.status, "steps": b.steps, "finish_reason": b.reason, "finished_at": e.time}
-    return [Partial(RUNS, (e.run_id,), item.seq, values, "finished_seq", {"tenant": e.tenant})]
+def _finished(run: str, f: rm.Finished) -> list[Partial]:
+    values = {"status": f.status, "steps": f.steps, "finish_reason": f.reason, "finished_at": f.t}
+    return [Partial(RUNS, (run,), f.seq, values, "finished_seq", {"tenant": f.tenant})]
 
 
-def _task_submitted(item: Logged, b: ev.TaskSubmitted) -> list[Partial]:
-    e = item.event
+def _tasked(run: str, f: rm.Tasked) -> list[Partial]:
     values = {
-        "tenant": e.tenant,
-        "env": b.env,
-        "group_size": b.group_size,
-        "prompt_len": len(b.prompt_tokens),
-        "prompt_text": b.prompt_text,
-        "max_tokens": b.max_tokens,
-        "episode_id": b.episode_id,
-        "turn": b.turn,
-        "info": b.info,
-        "submitted_at": e.time,
-        "event_id": e.event_id,
-        "seq": item.seq,
+        "tenant": f.tenant,
+        "env": f.env,
+        "group_size": f.samples,
+        "prompt_len": f.prompt_len,
+        "prompt_text": f.prompt_text,
+        "max_tokens": f.max_tokens,
+        "episode_id": f.episode_id,
+        "turn": f.turn,
+        "info": f.info,
+        "submitted_at": f.t,
+        "event_id": f.event_id,
+        "seq": f.seq,
     }
-    return [Partial(TASKS, (e.run_id, b.task_id), item.seq, values)]
+    return [Partial(TASKS, (run, f.task_id), f.seq, values)]
 
 
-def _generation_completed(item: Logged, b: ev.GenerationCompleted) -> list[Partial]:
-    e = item.event
-    values = {
-        "generation_id": b.generation_id,
-        "task_id": b.task_id,
-        "tenant": e.tenant,
-        "env": b.env,
-        "group_id": b.group_id,
-        "sample_index": b.sample_index,
-        "worker_id": b.worker_id,
-        "finish_reason": b.finish_reason,
-        "policy_version_start": b.policy_version_start,
-        "policy_version_end": b.policy_version_end,
-        "prompt_tokens": _length(b.prompt_tokens),
-        "completion_tokens": _length(b.completion_tokens),
-        "queued_s": b.timings.queued_s,
-        "generate_s": b.timings.generate_s,
-        "load_wait_s": b.timings.load_wait_s,
-        "episode_id": b.episode_id,
-        "turn": b.turn,
-        "completed_at": e.time,
-        "seq": item.seq,
+def _generated(run: str, f: rm.Generated) -> list[Partial]:
+    """One row per sample of the task."""
+    shared = {
+        "event_id": f.event_id,
+        "task_id": f.task_id,
+        "tenant": f.tenant,
+        "env": f.env,
+        "group_id": f.task_id,
+        "worker_id": f.worker_id,
+        "policy_version_start": f.version_start,
+        "policy_version_end": f.version_end,
+        "prompt_tokens": f.prompt_length,
+        "queued_s": f.queued_s,
+        "generate_s": f.generate_s,
+        "load_wait_s": f.load_wait_s,
+        "episode_id": f.episode_id,
+        "turn": f.turn,
+        "completed_at": f.t,
+        "seq": f.seq,
     }
-    return [Partial(GENERATIONS, (e.run_id, e.event_id), item.seq, values)]
+    return [
+        Partial(
+            GENERATIONS,
+            (run, x.generation_id),
+            f.seq,
+            {
+                **shared,
+                "generation_id": x.generation_id,
+                "sample_index": x.sample_index,
+                "finish_reason": x.finish_reason,
+                "completion_tokens": x.length,
+            },
+        )
+        for x in f.samples
+    ]
 
 
-def _rollout_scored(item: Logged, b: ev.RolloutScored) -> list[Partial]:
-    e = item.event
-    values = {
-        "tenant": e.tenant,
-        "env": b.env,
-        "group_id": b.group_id,
-        "task_id": b.task_id,
-        "generation_event_id": b.generation_event_id,
-        "sample_index": b.sample_index,
-        "group_size": b.group_size,
-        "reward": b.reward,
-        "reward_parts": _finite(b.reward_parts),
-        "policy_version_start": b.policy_version_start,
-        "policy_version_end": b.policy_version_end,
-        "prompt_tokens": _length(b.prompt_tokens),
-        "completion_tokens": _length(b.completion_tokens),
-        "payloads": {
-            "prompt_tokens": _ref(b.prompt_tokens),
-            "completion_tokens": _ref(b.completion_tokens),
-            "logprobs": _ref(b.logprobs),
-            "routing_trace": _ref(b.routing_trace),
-        },
-        "scored_at": e.time,
-        "scored_event_id": e.event_id,
+def _scored(run: str, f: rm.Scored) -> list[Partial]:
+    """One row per rollout of the group."""
+    shared = {
+        "tenant": f.tenant,
+        "env": f.env,
+        "group_id": f.group_id,
+        "task_id": f.task_id,
+        "generation_event_id": f.generation_event_id,
+        "group_size": f.group_size,
+        "prompt_tokens": f.prompt_length,
+        "scored_at": f.t,
+        "scored_event_id": f.event_id,
     }
-    return [Partial(ROLLOUTS, (e.run_id, b.rollout_id), item.seq, values, "scored_seq")]
+    return [
+        Partial(
+            ROLLOUTS,
+            (run, r.rollout_id),
+            f.seq,
+            {
+                **shared,
+                "sample_index": r.sample_index,
+                "reward": r.reward,
+                "reward_parts": _finite(r.reward_parts),
+                "policy_version_start": r.version_start,
+                "policy_version_end": r.version_end,
+                "completion_tokens": r.length,
+                "payloads": r.payloads,
+            },
+            "scored_seq",
+        )
+        for r in f.rollouts
+    ]
 
 
-def _rollout_withheld(item: Logged, b: ev.RolloutWithheld) -> list[Partial]:
-    e = item.event
+def _withheld(run: str, f: rm.Withheld) -> list[Partial]:
     values = {
-        "withheld_reason": b.reason,
-        "withheld_detail": b.detail,
-        "withheld_step": b.trainer_step,
-        "withheld_policy_version": b.policy_version,
-        "withheld_staleness": b.staleness,
-        "withheld_at": e.time,
+        "withheld_reason": f.reason,
+        "withheld_detail": f.detail,
+        "withheld_step": f.step,
+        "withheld_policy_version": f.policy_version,
+        "withheld_staleness": f.staleness,
+        "withheld_at": f.t,
     }
     # A rollout withheld before its score arrives still shows where it belongs.
-    defaults = {"tenant": e.tenant, "env": b.env, "group_id": b.group_id}
-    return [Partial(ROLLOUTS, (e.run_id, b.rollout_id), item.seq, values, "withheld_seq", defaults)]
+    defaults = {"tenant": f.tenant, "env": f.env, "group_id": f.group_id}
+    return [Partial(ROLLOUTS, (run, f.rollout_id), f.seq, values, "withheld_seq", defaults)]
 
 
-def _step_completed(item: Logged, b: ev.StepCompleted) -> list[Partial]:
-    e, seq, run = item.event, item.seq, item.event.run_id
+def _stepped(run: str, f: rm.Stepped) -> list[Partial]:
+    seq = f.seq
     values = {
-        "policy_version": b.policy_version,
-        "num_rollouts": len(b.rollout_ids),
-        "metrics": _finite(b.metrics),
-        "tokens": b.tokens,
-        "duration_s": b.duration_s,
-        "completed_at": e.time,
-        "event_id": e.event_id,
+        "policy_version": f.version,
+        "num_rollouts": len(f.rollout_ids),
+        "metrics": _finite(f.metrics),
+        "tokens": f.tokens,
+        "duration_s": f.duration_s,
+        "completed_at": f.t,
+        "event_id": f.event_id,
         "seq": seq,
     }
-    out = [Partial(STEPS, (run, b.step), seq, values)]
-    seqs = list(b.rollout_seqs)
-    for pos, rid in enumerate(b.rollout_ids):
+    out = [Partial(STEPS, (run, f.step), seq, values)]
+    seqs = f.rollout_seqs
+    for pos, rid in enumerate(f.rollout_ids):
         placed = {"rollout_id": rid, "rollout_seq": seqs[pos] if pos < len(seqs) else None}
-        out.append(Partial(STEP_ROLLOUTS, (run, b.step, pos), seq, placed))
-        trained = {"trained_step": b.step, "train_position": pos}
+        out.append(Partial(STEP_ROLLOUTS, (run, f.step, pos), seq, placed))
+        trained = {"trained_step": f.step, "train_position": pos}
         out.append(Partial(ROLLOUTS, (run, rid), seq, trained, "trained_seq"))
     return out
 
 
-def _policy_version_published(item: Logged, b: ev.PolicyVersionPublished) -> list[Partial]:
-    e = item.event
+def _versioned(run: str, f: rm.Versioned) -> list[Partial]:
     values = {
-        "step": b.step,
-        "weights_checksum": b.weights_checksum,
-        "parent_version": b.parent_version,
-        "published_at": e.time,
+        "step": f.step,
+        "weights_checksum": f.weights_checksum,
+        "parent_version": f.parent_version,
+        "published_at": f.t,
     }
-    return [Partial(POLICY_VERSIONS, (e.run_id, b.version), item.seq, values, "published_seq")]
+    return [Partial(POLICY_VERSIONS, (run, f.version), f.seq, values, "published_seq")]
 
 
-def _weights_ready(item: Logged, b: ev.WeightsReady) -> list[Partial]:
-    e, loc = item.event, b.location
+def _ready(run: str, f: rm.Ready) -> list[Partial]:
+    loc = f.location
     values = {
-        "location": _ref(loc),
+        "location": rm.array_json(loc),
         "location_store": loc.store,
         "location_uri": _location_uri(loc),
         "size": loc.size,
         "sha256": loc.sha256,
-        "format": b.format,
-        "ready_checksum": b.weights_checksum,
-        "ready_at": e.time,
+        "format": f.format,
+        "ready_checksum": f.weights_checksum,
+        "blake3": f.blake3,
+        "ready_at": f.t,
     }
-    return [Partial(POLICY_VERSIONS, (e.run_id, b.version), item.seq, values, "ready_seq")]
+    return [Partial(POLICY_VERSIONS, (run, f.version), f.seq, values, "ready_seq")]
 
 
-def _worker_heartbeat(item: Logged, b: ev.WorkerHeartbeat) -> list[Partial]:
-    e, seq, key = item.event, item.seq, (item.event.run_id, b.worker_id)
+def _beat(run: str, f: rm.Beat) -> list[Partial]:
+    seq, key = f.seq, (run, f.worker_id)
     values = {
-        "kind": b.kind,
-        "status": b.status,
-        "inflight": b.inflight,
-        "stats": _finite(b.stats),
-        "last_heartbeat_at": e.time,
+        "kind": f.kind,
+        "status": f.status,
+        "inflight": f.inflight,
+        "stats": _finite(f.stats),
+        "last_heartbeat_at": f.t,
     }
     out = [Partial(WORKERS, key, seq, values, "heartbeat_seq")]
-    if b.loaded_version is not None:
-        loaded = {"loaded_version": b.loaded_version, "loaded_at": e.time}
-        out.append(Partial(WORKERS, key, seq, loaded, "loaded_seq", {"kind": b.kind}))
+    if f.loaded_version is not None:
+        loaded = {"loaded_version": f.loaded_version, "loaded_at": f.t}
+        out.append(Partial(WORKERS, key, seq, loaded, "loaded_seq", {"kind": f.kind}))
     return out
 
 
-def _weights_loaded(item: Logged, b: ev.WeightsLoaded) -> list[Partial]:
-    e, seq, key = item.event, item.seq, (item.event.run_id, b.worker_id)
-    kind = _worker_kind(item.subject)
-    loaded = {"loaded_version": b.version, "loaded_at": e.time}
-    load = {"last_load_s": b.load_s, "checksum_verified": b.checksum_verified}
+def _loaded(run: str, f: rm.Loaded) -> list[Partial]:
+    seq, key, kind = f.seq, (run, f.worker_id), {"kind": f.kind}
+    loaded = {"loaded_version": f.version, "loaded_at": f.t}
+    load = {"last_load_s": f.load_s, "checksum_verified": f.checksum_verified}
     return [
-        Partial(WORKERS, key, seq, loaded, "loaded_seq", {"kind": kind}),
-        Partial(WORKERS, key, seq, load, "load_seq", {"kind": kind}),
+        Partial(WORKERS, key, seq, loaded, "loaded_seq", kind),
+        Partial(WORKERS, key, seq, load, "load_seq", kind),
     ]
 
 
-def _dead_lettered(item: Logged, b: ev.DeadLettered) -> list[Partial]:
-    e = item.event
+def _dead(run: str, f: rm.Dead) -> list[Partial]:
     values = {
-        "reason": b.reason,
-        "detail": b.detail,
-        "consumer": b.consumer,
-        "original_subject": b.original_subject,
-        "original_seq": b.original_stream_seq,
-        "original_type": b.original_type,
-        "original_event_id": b.original_event_id,
-        "delivery_count": b.delivery_count,
-        "original_size": len(b.original_data),
-        "original_data": bytes(b.original_data),
-        "dead_lettered_at": e.time,
-        "seq": item.seq,
+        "reason": f.reason,
+        "detail": f.detail,
+        "consumer": f.consumer,
+        "original_subject": f.original_subject,
+        "original_seq": f.original_seq,
+        "original_type": f.original_type,
+        "original_event_id": f.original_event_id,
+        "delivery_count": f.delivery_count,
+        "original_size": len(f.original_data),
+        "original_data": f.original_data,
+        "dead_lettered_at": f.t,
+        "seq": f.seq,
     }
-    return [Partial(DEAD_LETTERS, (e.run_id, e.event_id), item.seq, values)]
+    return [Partial(DEAD_LETTERS, (run, f.event_id), f.seq, values)]
 
 
-def _evaluation_reported(item: Logged, b: ev.EvaluationReported) -> list[Partial]:
-    e = item.event
+def _evaluated(run: str, f: rm.Evaluated) -> list[Partial]:
     values = {
-        "n_tasks": b.n_tasks,
-        "samples": b.samples,
-        "pass_at_1": b.pass_at_1,
-        "pass_at_k": b.pass_at_k,
-        "reward_mean": b.reward_mean,
-        "version_min": b.version_min,
-        "version_max": b.version_max,
-        "temperature": b.temperature,
-        "successes": list(b.successes),
-        "reported_at": e.time,
-        "event_id": e.event_id,
-        "seq": item.seq,
+        "n_tasks": f.n_tasks,
+        "samples": f.samples,
+        "pass_at_1": f.pass_at_1,
+        "pass_at_k": f.pass_at_k,
+        "reward_mean": f.reward_mean,
+        "version_min": f.version_min,
+        "version_max": f.version_max,
+        "temperature": f.temperature,
+        "successes": list(f.successes),
+        "reported_at": f.t,
+        "event_id": f.event_id,
+        "seq": f.seq,
     }
-    return [Partial(EVALUATIONS, (e.run_id, e.tenant, b.env, b.policy_version), item.seq, values)]
+    return [Partial(EVALUATIONS, (run, f.tenant, f.env, f.policy_version), f.seq, values)]
 
 
-def _alert_raised(item: Logged, b: ev.AlertRaised) -> list[Partial]:
-    e = item.event
+def _alerted(run: str, f: rm.Alerted) -> list[Partial]:
     values = {
-        "rule": b.rule,
-        "key": b.key,
-        "state": b.state,
-        "severity": b.severity,
-        "message": b.message,
-        "step": b.step,
-        "value": _number(b.value),
-        "threshold": _number(b.threshold),
-        "raised_at": e.time,
-        "seq": item.seq,
+        "rule": f.rule,
+        "key": f.key,
+        "state": f.state,
+        "severity": f.severity,
+        "message": f.message,
+        "step": f.step,
+        "value": _number(f.value),
+        "threshold": _number(f.threshold),
+        "raised_at": f.t,
+        "seq": f.seq,
     }
-    return [Partial(ALERTS, (e.run_id, e.event_id), item.seq, values)]
+    return [Partial(ALERTS, (run, f.event_id), f.seq, values)]
 
 
 # ----------------------------------------------------------------------------- the table
 
-B = TypeVar("B", bound=ev.EventBody)
-Projector: TypeAlias = Callable[[Logged, B], list[Partial]]
+F = TypeVar("F", bound=rm.Fact)
+Projector: TypeAlias = Callable[[str, F], list[Partial]]
 
 
-def _entry(body: type[B], projector: Projector[B]) -> tuple[type[ev.EventBody], Projector[ev.EventBody]]:
-    # Checks that a projector takes the body it is filed under; the lookup is by exact type,
-    # so the widened signature is never called with another body.
-    return body, cast("Projector[ev.EventBody]", projector)
+def _entry(fact: type[F], projector: Projector[F]) -> tuple[type[ev.EventBody], Projector[rm.Fact]]:
+    # Filed under the event body the fact is read from, which is also the fact's type: the
+    # widened signature is never called with another fact.
+    return fact.OF, cast("Projector[rm.Fact]", projector)
 
 
-PROJECTORS: dict[type[ev.EventBody], Projector[ev.EventBody]] = dict(
+# Keyed by event body: every body of the catalog is projected (tests/store checks it).
+PROJECTORS: dict[type[ev.EventBody], Projector[rm.Fact]] = dict(
     [
-        _entry(ev.RunStarted, _run_started),
-        _entry(ev.RunResumed, _run_resumed),
-        _entry(ev.RunFinished, _run_finished),
-        _entry(ev.TaskSubmitted, _task_submitted),
-        _entry(ev.GenerationCompleted, _generation_completed),
-        _entry(ev.RolloutScored, _rollout_scored),
-        _entry(ev.RolloutWithheld, _rollout_withheld),
-        _entry(ev.StepCompleted, _step_completed),
-        _entry(ev.PolicyVersionPublished, _policy_version_published),
-        _entry(ev.WeightsReady, _weights_ready),
-        _entry(ev.WorkerHeartbeat, _worker_heartbeat),
-        _entry(ev.WeightsLoaded, _weights_loaded),
-        _entry(ev.DeadLettered, _dead_lettered),
-        _entry(ev.EvaluationReported, _evaluation_reported),
-        _entry(ev.AlertRaised, _alert_raised),
+        _entry(rm.Started, _started),
+        _entry(rm.Resumed, _resumed),
+        _entry(rm.Finished, _finished),
+        _entry(rm.Tasked, _tasked),
+        _entry(rm.Generated, _generated),
+        _entry(rm.Scored, _scored),
+        _entry(rm.Withheld, _withheld),
+        _entry(rm.Stepped, _stepped),
+        _entry(rm.Versioned, _versioned),
+        _entry(rm.Ready, _ready),
+        _entry(rm.Beat, _beat),
+        _entry(rm.Loaded, _loaded),
+        _entry(rm.Dead, _dead),
+        _entry(rm.Evaluated, _evaluated),
+        _entry(rm.Alerted, _alerted),
     ]
 )
 
 
 def partials(item: Logged) -> list[Partial]:
     """The row parts one event writes (empty for an event with no projection)."""
-    body = item.event.body
-    projector = PROJECTORS.get(type(body))
-    return projector(item, body) if projector is not None else []
+    e = item.event
+    fact = rm.fact_of(item.seq, item.subject, e)
+    return PROJECTORS[type(e.body)](e.run_id, fact) if fact is not None else []

@@ -4,7 +4,7 @@ Every table is keyed by ``run_id`` plus the natural key of the fact it holds, so
 can hold many runs and every projection write is an idempotent upsert on that key.
 
 Columns are owned by the event type that writes them (a rollout row is filled by
-RolloutScored, RolloutWithheld and StepCompleted, each writing its own columns). Each group of
+RolloutsScored, RolloutWithheld and StepCompleted, each writing its own columns). Each group of
 columns keeps the stream sequence of the event that wrote it (``*_seq``): that makes the final
 row independent of the order in which groups are applied, and lets a group be written "first
 fact wins" (facts) or "last write wins" (state such as a worker's heartbeat).
@@ -79,13 +79,13 @@ class Task(Base):
 
 
 class Generation(Base):
-    """One GenerationCompleted, keyed by its event id (RolloutScored points at it)."""
+    """One sample of a CompletionsGenerated (``event_id``, which a RolloutsScored points at)."""
 
     __tablename__ = "generations"
 
     run_id: Mapped[str] = mapped_column(RunId, primary_key=True)
-    event_id: Mapped[str] = mapped_column(Id, primary_key=True)
-    generation_id: Mapped[str] = mapped_column(Id)
+    generation_id: Mapped[str] = mapped_column(Id, primary_key=True)
+    event_id: Mapped[str] = mapped_column(Id)
     task_id: Mapped[str] = mapped_column(Id)
     tenant: Mapped[str] = mapped_column(sa.String(64))
     env: Mapped[str] = mapped_column(sa.String(64))
@@ -105,7 +105,7 @@ class Generation(Base):
     completed_at: Mapped[float] = mapped_column(Float)
     seq: Mapped[int] = mapped_column(sa.BigInteger)
 
-    __table_args__ = (sa.Index(None, "run_id", "task_id"),)
+    __table_args__ = (sa.Index(None, "run_id", "task_id"), sa.Index(None, "run_id", "event_id"))
 
 
 class Rollout(Base):
@@ -113,11 +113,11 @@ class Rollout(Base):
 
     run_id: Mapped[str] = mapped_column(RunId, primary_key=True)
     rollout_id: Mapped[str] = mapped_column(Id, primary_key=True)
-    # Written on insert by whichever event comes first, then owned by RolloutScored.
+    # Written on insert by whichever event comes first, then owned by RolloutsScored.
     tenant: Mapped[str | None] = mapped_column(sa.String(64))
     env: Mapped[str | None] = mapped_column(sa.String(64))
     group_id: Mapped[str | None] = mapped_column(Id)
-    # RolloutScored (first wins)
+    # RolloutsScored (first wins)
     task_id: Mapped[str | None] = mapped_column(Id)
     generation_event_id: Mapped[str | None] = mapped_column(Id)
     sample_index: Mapped[int | None] = mapped_column(sa.Integer)
@@ -199,6 +199,7 @@ class PolicyVersion(Base):
     sha256: Mapped[str | None] = mapped_column(sa.String(64))
     format: Mapped[str | None] = mapped_column(sa.String(32))
     ready_checksum: Mapped[str | None] = mapped_column(sa.String(128))
+    blake3: Mapped[str | None] = mapped_column(sa.String(64))  # WeightsReady's transfer digest
     ready_at: Mapped[float | None] = mapped_column(Float)
     ready_seq: Mapped[int | None] = mapped_column(sa.BigInteger)
 

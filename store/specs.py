@@ -98,7 +98,7 @@ RUNS = Spec(
     ),
 )
 TASKS = Spec(_T["tasks"], ("run_id", "task_id"))
-GENERATIONS = Spec(_T["generations"], ("run_id", "event_id"))
+GENERATIONS = Spec(_T["generations"], ("run_id", "generation_id"))
 ROLLOUTS = Spec(
     _T["rollouts"],
     ("run_id", "rollout_id"),
@@ -158,6 +158,7 @@ POLICY_VERSIONS = Spec(
                 "sha256",
                 "format",
                 "ready_checksum",
+                "blake3",
                 "ready_at",
             ),
             "first",

@@ -6,8 +6,10 @@ under the distribution they were drawn from, its finish reason and, for MoE mode
 Replay trace (``[prompt + completion - 1, moe_layers, top_k]``, uint8, uint16 past 256 experts).
 It loads the weights a WeightsReady names (checksum-verified) and says which version it holds.
 The worker owns everything else: tasks, leases, events, payloads. ``[inference] engine`` names
-one: a built-in of :data:`ENGINES`, or any ``package.module:attr`` (a class or factory taking
-the worker's :class:`InferencePart` and worker id). Besides its methods an engine says how many
+one of the plugin registry's (jetrl/plugins.py, ``GENERATION_ENGINES``: a built-in, an installed
+package's, or any ``package.module:attr``): a class or factory taking the worker's
+:class:`InferencePart` and worker id, registered with its :class:`EngineChecks` (what the run
+config checks before any process starts). Besides its methods an engine says how many
 batches it takes at once (``batches_in_flight``: N for one that batches continuously, which the
 worker then hands up to N batches, never across a weights load) and what its model takes
 (``limits``: the vocabulary and context the worker refuses tasks past; None for an engine without
@@ -24,13 +26,9 @@ import numpy as np
 
 from jetrl.bus import events as ev
 from jetrl.bus.payloads import Payloads
-from jetrl.bus.plugins import load_plugin
-from jetrl.consumers.inference.settings import InferencePart
-
-ENGINES = {
-    "titan": "jetrl.consumers.inference.titan_engine:TitanEngine",
-    "vllm": "jetrl.consumers.inference.vllm_engine:VLLMEngine",
-}
+from jetrl.consumers.inference.settings import InferencePart, InferenceSettings
+from jetrl.plugins import GENERATION_ENGINES
+from jetrl.policy.settings import ModelSettings
 
 FinishReason = Literal["stop", "length"]
 
@@ -85,8 +83,36 @@ class GenerationEngine(Protocol):
     async def close(self) -> None: ...
 
 
+class EngineChecks:
+    """What a generation engine says of a run before any process starts: torch-free, registered
+    with it as its checks (jetrl/plugins.py). These defaults refuse nothing and send routing
+    traces; an engine's own checks subclass them."""
+
+    def check(self, inference: InferenceSettings, model: ModelSettings) -> None:
+        """Refuse (ValueError) settings it cannot serve, on any machine (the run config's
+        validation, also of a run's recorded config)."""
+
+    def check_here(self, inference: InferenceSettings) -> None:
+        """Refuse what this machine lacks to run it (where a run starts or resumes)."""
+
+    def no_routing(self, inference: InferenceSettings) -> str | None:
+        """Why it sends no Router Replay traces of an MoE model with these settings; None when
+        it sends them (the run config refuses an MoE run that replays routes without them)."""
+        return None
+
+
+def engine_checks(engine: str) -> EngineChecks:
+    """The checks of the generation engine ``engine`` names (the defaults where it registered none)."""
+    checks = GENERATION_ENGINES.checks(engine)
+    if checks is None:
+        return EngineChecks()
+    if not isinstance(checks, EngineChecks):
+        raise TypeError(f"the checks of generation engine {engine!r} are {checks!r}, not EngineChecks")
+    return checks
+
+
 def make_generation_engine(part: InferencePart, worker_id: str) -> GenerationEngine:
-    factory = load_plugin(part.inference.engine, ENGINES, "generation engine")
+    factory = GENERATION_ENGINES.load(part.inference.engine)
     engine = factory(part, worker_id)
     if not isinstance(engine, GenerationEngine):
         members = {*GenerationEngine.__annotations__, *vars(GenerationEngine)}

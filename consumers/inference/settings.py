@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from jetrl.bus.settings import EnvRoute, MooncakeSettings, Section, TenantSettings
+from jetrl.bus.settings import BusSettings, EnvRoute, Section, TenantSettings
+from jetrl.plugins import GENERATION_ENGINES
 from jetrl.policy.settings import ModelSettings
 
 
@@ -35,7 +36,7 @@ class VLLMSettings(Section):
 
 
 class InferenceSettings(Section):
-    engine: str = "titan"  # a name of consumers.inference.engine.ENGINES, or "module:attr"
+    engine: str = "titan"  # a generation engine of jetrl/plugins.py, or "package.module:attr"
     vllm: VLLMSettings = VLLMSettings()
     workers: int = Field(1, ge=1)
     precision: Literal["bf16", "fp32"] = "bf16"  # independent of the trainer's
@@ -50,6 +51,11 @@ class InferenceSettings(Section):
     affinity_deliveries: int = Field(2, ge=0, le=3)
     affinity_delay_s: float = Field(0.05, ge=0)
 
+    @field_validator("engine")
+    @classmethod
+    def _engine(cls, v: str) -> str:
+        return GENERATION_ENGINES.check(v)
+
 
 class InferencePart(Section):
     """One worker process's input (``python -m jetrl.consumers.inference --settings``)."""
@@ -57,11 +63,10 @@ class InferencePart(Section):
     inference: InferenceSettings = InferenceSettings()
     model: ModelSettings = ModelSettings()
     seed: int = 0
-    weights_dir: str | None = None  # where the trainer writes weights, when not the object store
-    # Routing traces stay in this worker's memory, pulled by the trainer ("mooncake"), or go
-    # to the object store; `mooncake`: this process's engine, when weights or traces use one.
-    traces_store: Literal["objstore", "mooncake"] = "objstore"
-    mooncake: MooncakeSettings | None = None
+    # The run's [bus]: where weights come from and routing traces go (`traces_store`: the object
+    # store, or held by this worker and pulled by the trainer, "mooncake"), each store's own section.
+    bus: BusSettings = BusSettings()
+    weights_dir: str | None = None  # the run's shared directory, for a store that keeps files there
     # The run's tenants (fair scheduling, quotas) and environments (tasks of any other pair are
     # refused); empty: one tenant "default", any environment.
     tenants: list[TenantSettings] = Field(default_factory=list)

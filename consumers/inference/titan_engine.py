@@ -13,13 +13,13 @@ import numpy as np
 import torch
 
 from jetrl.bus import events as ev
-from jetrl.bus.payloads import Payloads
+from jetrl.bus.payloads import Payloads, ReceiveBuffer
 from jetrl.consumers.inference.engine import GroupRequest, Limits, Sample
 from jetrl.consumers.inference.settings import InferencePart
 from jetrl.policy.models import build_model
 from jetrl.policy.origin import model_config_of
 from jetrl.policy.sampling import SamplingConfig, generate, inference_copy
-from jetrl.policy.weights import load_into, weights_from_bytes
+from jetrl.policy.weights import load_into, verified_tensors, weights_from_bytes
 
 
 class TitanEngine:
@@ -36,6 +36,9 @@ class TitanEngine:
         seed = (part.seed * 1_000_003 + (uuid.uuid5(uuid.NAMESPACE_URL, worker_id).int % 1_000_003)) % 2**63
         self.generator = torch.Generator().manual_seed(seed)
         self._version: int | None = None
+        # The weights' bytes land here, version after version (views of it are loaded into the
+        # model, which copies them): pages faulted in once, not once a version.
+        self._received = ReceiveBuffer()
 
     @property
     def loaded_version(self) -> int | None:
@@ -71,8 +74,19 @@ class TitanEngine:
         return out
 
     async def load_weights(self, ready: ev.WeightsReady, payloads: Payloads) -> None:
-        data = await payloads.get_bytes(ready.location)  # size and SHA-256 checked
-        tensors, _ = weights_from_bytes(data, expected_checksum=ready.weights_checksum, model_cfg=self.mcfg)
+        # Received into one buffer and checked as the bytes land (payloads.get_weights); the
+        # tensors are views of it, copied once more only into the model's own parameters.
+        try:
+            data = await payloads.get_weights(ready, into=self._received)
+        except BaseException:
+            self._received.drop()  # a read abandoned in it may still write there
+            raise
+        if ready.blake3 is None:  # an announcement of before the transfer digest
+            tensors, _ = weights_from_bytes(
+                data, expected_checksum=ready.weights_checksum, model_cfg=self.mcfg
+            )
+        else:
+            tensors = verified_tensors(data, ready.weights_checksum, self.mcfg)
         load_into(self.model, tensors)
         self._version = ready.version
 

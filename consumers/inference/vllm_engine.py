@@ -16,10 +16,12 @@ is a child's exit, not the worker's. The server is reached on loopback only.
   temperature 0), and the finish reason.
 * **Weights.** The worker hands the engine up to ``batches_in_flight`` batches at once and loads a
   WeightsReady only when none is in flight, so requests always finish on the version they
-  started on (none is aborted). The bytes are checksum-verified here (canonical
-  tensors), written as one Hugging Face layout safetensors file (as they came when the trainer
-  publishes ``weights_layout = "hf"``) and loaded in place through the server's
-  ``/collective_rpc`` by jetrl's worker extension (``vllm_ext/jetrl_vllm_ext.py``).
+  started on (none is aborted). The bytes are received straight into a file in shared memory
+  (``/dev/shm``: memory, not disk), checked against their transfer digest as they land, and
+  loaded in place through the server's ``/collective_rpc`` by jetrl's worker extension
+  (``vllm_ext/jetrl_vllm_ext.py``), which maps the file and hands vLLM views of its tensors:
+  no copy between the received bytes and vLLM's own weights. Bytes in jetrl's layout (a trainer
+  without ``weights_layout = "hf"``) get a Hugging Face layout copy beside them first.
 * **Routing traces** for Router Replay (MoE): vLLM's own ``--enable-return-routed-experts``
   needs Triton's GPU backend, so jetrl's worker extension hooks each MoE gate and records every
   computed position's top-k experts per request; the engine takes a group's routes after its
@@ -32,6 +34,9 @@ The server runs under ``vllm_ext/jetrl_vllm_reaper.py``, which takes its whole p
 (vLLM's engine core and workers) down when the engine closes, when the worker dies (even
 SIGKILLed) or when the server exits. It prints to ``vllm.log`` in the engine's scratch directory;
 its tail is in any error.
+
+What the run config checks before any process starts is :data:`CHECKS`' (registered with the
+engine, jetrl/plugins.py); this module imports no torch until an engine is built.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import mmap
 import os
 import random
 import subprocess
@@ -56,8 +62,9 @@ from jetrl.bus import events as ev
 from jetrl.bus.log import get_logger
 from jetrl.bus.payloads import Payloads
 from jetrl.bus.server import free_port
-from jetrl.consumers.inference.engine import FinishReason, GroupRequest, Limits, Sample
-from jetrl.consumers.inference.settings import InferencePart, VLLMSettings
+from jetrl.consumers.inference.engine import EngineChecks, FinishReason, GroupRequest, Limits, Sample
+from jetrl.consumers.inference.settings import InferencePart, InferenceSettings, VLLMSettings
+from jetrl.policy.settings import ModelSettings
 
 EXTENSION_DIR = Path(__file__).resolve().parent / "vllm_ext"
 EXTENSION = "jetrl_vllm_ext.RoutingExtension"
@@ -92,6 +99,27 @@ def vllm_available(s: VLLMSettings | None = None) -> bool:
         return vllm_python(s or VLLMSettings()).exists()
     except VLLMError:
         return False
+
+
+class VLLMChecks(EngineChecks):
+    """``engine = "vllm"`` serves a checkpoint, from a vLLM environment on this machine, and sends
+    routing traces unless ``capture_routing`` is off."""
+
+    def check(self, inference: InferenceSettings, model: ModelSettings) -> None:
+        if not model.hf_path:
+            raise ValueError("[inference] engine = 'vllm' serves a checkpoint: set [model] hf_path")
+
+    def check_here(self, inference: InferenceSettings) -> None:
+        if not vllm_python(inference.vllm).exists():
+            raise ValueError(f"no vLLM environment at {vllm_python(inference.vllm)}")
+
+    def no_routing(self, inference: InferenceSettings) -> str | None:
+        if inference.vllm.capture_routing:
+            return None
+        return "[inference.vllm] capture_routing = false sends no routing traces"
+
+
+CHECKS = VLLMChecks()
 
 
 def server_command(part: InferencePart, port: int, seed: int, *, capture: bool = False) -> list[str]:
@@ -136,6 +164,39 @@ def server_command(part: InferencePart, port: int, seed: int, *, capture: bool =
     return cmd + list(v.extra_args)
 
 
+def shared_memory_dir(fallback: Path) -> Path:
+    """Where weights are handed to vLLM's workers: /dev/shm (memory) where there is one to
+    write to, else ``fallback``."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else fallback
+
+
+class SharedFile:
+    """A file, mapped into this process, that the bytes of one weights version are received
+    into and another process maps in turn (it lives in memory when under /dev/shm)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._map: mmap.mmap | None = None
+
+    def create(self, size: int) -> memoryview:
+        with self.path.open("w+b") as f:
+            f.truncate(size)
+            if size == 0:
+                return memoryview(bytearray())
+            self._map = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_WRITE)
+        return memoryview(self._map)
+
+    def remove(self) -> None:
+        """Unlink the file (the memory goes with the last mapping). The mapping is closed when
+        nothing holds a view of it any more; a read abandoned into it keeps it for good."""
+        self.path.unlink(missing_ok=True)
+        if self._map is not None:
+            with contextlib.suppress(BufferError):
+                self._map.close()
+            self._map = None
+
+
 class VLLMEngine:
     # The worker hands it this many batches at once: vLLM batches continuously, so a batch that
     # arrives while another generates joins it instead of waiting for it to end.
@@ -153,6 +214,7 @@ class VLLMEngine:
         self.limits: Limits | None = Limits(self.mcfg.vocab_size, context)
         self.log = get_logger(__name__, worker_id=worker_id)
         self.scratch = Path(tempfile.mkdtemp(prefix="jetrl-vllm-"))
+        self.shm_dir = shared_memory_dir(self.scratch)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model_name = str(Path(part.model.hf_path).resolve())
@@ -307,25 +369,49 @@ class VLLMEngine:
         )
 
     async def load_weights(self, ready: ev.WeightsReady, payloads: Payloads) -> None:
-        data = await payloads.get_bytes(ready.location)  # size and SHA-256 checked
-        path = self.scratch / f"weights-v{ready.version}.safetensors"
-        await asyncio.to_thread(self._write_hf, data, ready.weights_checksum, path)
+        # The bytes land in a file in shared memory (/dev/shm: memory, not disk), checked as they
+        # land; vLLM's workers map that file and load views of it (vllm_ext/jetrl_vllm_ext.py).
+        shm = SharedFile(self.shm_dir / f"jetrl-weights-{uuid.uuid4().hex}.safetensors")
+        hf_copy: Path | None = None
         try:
-            await self.rpc("jetrl_load_weights", str(path))
+            data = await payloads.get_weights(ready, into=shm.create)
+            hf_copy = await asyncio.to_thread(self._check_hf, data, ready, shm.path)
+            del data
+            await self.rpc("jetrl_load_weights", str(hf_copy or shm.path))
         finally:
-            path.unlink(missing_ok=True)
+            shm.remove()
+            if hf_copy is not None:
+                hf_copy.unlink(missing_ok=True)
         self._version = ready.version
 
-    def _write_hf(self, data: bytes, checksum: str, path: Path) -> None:
+    def _check_hf(self, data: memoryview, ready: ev.WeightsReady, path: Path) -> Path | None:
+        """Check what the bytes hold (the checksum they carry is the announced one; for an
+        announcement without a transfer digest, the content checksum recomputed) and, when they
+        are not in Hugging Face layout, write a copy that is (beside them, in shared memory):
+        the path of that copy, or None when vLLM loads the bytes as they are."""
         from safetensors.torch import save_file
 
-        from jetrl.policy.weights import META_LAYOUT, read_metadata, to_hf, weights_from_bytes
+        from jetrl.policy.weights import (
+            META_LAYOUT,
+            canonical_tensors,
+            check_stored_checksum,
+            tensors_of,
+            to_hf,
+            weights_from_bytes,
+        )
 
-        tensors, _ = weights_from_bytes(data, expected_checksum=checksum, model_cfg=self.mcfg)
-        if read_metadata(data).get(META_LAYOUT) == "hf":
-            path.write_bytes(data)  # already as vLLM loads it
+        tensors, meta = tensors_of(data)
+        if ready.blake3 is None:  # an announcement of before the transfer digest
+            weights_from_bytes(data, expected_checksum=ready.weights_checksum, model_cfg=self.mcfg)
         else:
-            save_file(to_hf(tensors, self.mcfg), str(path))
+            check_stored_checksum(meta, ready.weights_checksum)
+        if meta.get(META_LAYOUT) == "hf":
+            return None
+        # jetrl's layout: vLLM loads Hugging Face names (a trainer with weights_layout = "hf"
+        # publishes those, and this copy is not made).
+        out = path.with_name(path.stem + "-hf.safetensors")
+        save_file(to_hf(canonical_tensors(tensors, meta, self.mcfg), self.mcfg), str(out))
+        return out
 
     async def close(self) -> None:
         if self._session is not None:

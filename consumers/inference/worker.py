@@ -14,12 +14,12 @@ dead-lettered with their reason on the tenant's dead-letter subject. A tenant th
 run is not picked up until the workers restart.
 
 A worker has its generation engine (consumers/inference/engine.py) generate the task's
-whole group with its current policy, publishes one
-GenerationCompleted per sample (arrays through the claim-check, routing traces for MoE), and acks
-the task only once every completion is durable. A watcher follows the weights subject; new
-weights are loaded between batches, checksum-verified, and announced with WeightsLoaded.
-Completion event ids derive from the task's event id, so a task redelivered after a crash yields
-the same events, which the stream deduplicates.
+whole group with its current policy, publishes one CompletionsGenerated with every sample of
+the task (arrays through the claim-check, put side by side; routing traces for MoE; the prompt
+referred to in the task's own event), and acks the task only once that event is durable. A
+watcher follows the weights subject; new weights are loaded between batches, checksum-verified,
+and announced with WeightsLoaded. The event id derives from the task's event id, so a task
+redelivered after a crash yields the same event, which the stream deduplicates.
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ import os
 import socket
 import time
 from collections import Counter
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import structlog
@@ -41,7 +43,7 @@ from jetrl.bus.client import Bus
 from jetrl.bus.consumer import ConsumerSpec, Delivery, keep_alive
 from jetrl.bus.fair import FairPuller, FairQueue, num_pending
 from jetrl.bus.log import get_logger
-from jetrl.bus.payloads import PayloadError, Payloads
+from jetrl.bus.payloads import PayloadError, Payloads, token_list_ref
 from jetrl.consumers.inference.admission import DEFAULT_TENANT, Admission, Refusal, limits_for
 from jetrl.consumers.inference.engine import GenerationEngine, GroupRequest, Sample, make_generation_engine
 from jetrl.consumers.inference.settings import InferencePart
@@ -257,23 +259,17 @@ class InferenceWorker:
         gen_s = time.perf_counter() - t0
         self.stats["generate_s"] += gen_s
         pub = self.bus.publisher(max_inflight=256)
-        for (d, t), samples in zip(tasks, groups, strict=True):
-            queued = max(0.0, time.time() - d.event.time)
-            # The group shares its prompt: stored once per task, referenced by every sample.
-            prompt = await self.payloads.put_array(
-                f"prompt-{d.event.event_id}",
-                np.asarray(t.prompt_tokens, dtype=np.int32),
-                inline_threshold=self.inline_bytes(d.event.tenant),
+        events = await asyncio.gather(
+            *(
+                self._completions_event(d, t, samples, version, gen_s, load_wait)
+                for (d, t), samples in zip(tasks, groups, strict=True)
             )
-            for i, g in enumerate(samples):
-                await pub.publish(
-                    await self._completion_event(
-                        d.event, t, i, g, prompt, version, queued, gen_s, load_wait, attempt=d.num_delivered
-                    )
-                )
-                self.stats["samples"] += 1
-                self.stats["tokens"] += len(g.completion_tokens)
+        )
+        for event, samples in zip(events, groups, strict=True):
+            await pub.publish(event)
             self.stats["tasks"] += 1
+            self.stats["samples"] += len(samples)
+            self.stats["tokens"] += sum(len(g.completion_tokens) for g in samples)
         await pub.flush()
 
     def inline_bytes(self, tenant: str) -> int | None:
@@ -281,52 +277,73 @@ class InferenceWorker:
         limit when its producer cannot read the payload store, else the store's default."""
         return self.part.tenant_inline_bytes if tenant in self.part.inline_tenants else None
 
-    async def _completion_event(
+    async def _completions_event(
         self,
-        task_event: ev.Event,
+        d: Delivery[ev.TaskSubmitted],
         t: ev.TaskSubmitted,
-        i: int,
-        g: Sample,
-        prompt: ev.ArrayRef,
+        samples: list[Sample],
         version: int,
-        queued: float,
         gen_s: float,
         load_wait: float,
-        *,
-        attempt: int,
     ) -> ev.Event:
-        assert self.payloads is not None
-        gen_id = ids.generation_id(t.task_id, i)
-        eid = ids.generation_event_id(self.run_id, task_event.event_id, i)
+        """One CompletionsGenerated for the task's samples. Its arrays that go to a payload
+        store are put side by side; its prompt is referred to where it lies in the log (the
+        task's own event)."""
+        task_event = d.event
+        eid = ids.generation_event_id(self.run_id, task_event.event_id)
         # A task generated again (its first worker died) samples other tokens under the same
         # event id; its objects get names of their own, so they never overwrite the bytes the
         # first copy of the event, the one the log keeps, refers to.
-        name = f"{eid}-{attempt}"
-        trace = None
-        if g.routing_trace is not None:
-            trace = await self.payloads.put_array(
-                f"trace-{name}", g.routing_trace, store=self.part.traces_store
+        name = f"{eid}-{d.num_delivered}"
+        inline = self.inline_bytes(task_event.tenant)
+        assert self.payloads is not None
+        payloads = self.payloads
+
+        traces = self.part.bus.traces_store
+        # Small arrays ride inline at once; those for a store are put side by side, as tasks
+        # only when there are any (a step of the demo has 768 arrays, every one inline).
+        refs: dict[tuple[int, str], ev.ArrayRef] = {}
+        puts: dict[tuple[int, str], Coroutine[Any, Any, ev.ArrayRef]] = {}
+        for i, g in enumerate(samples):
+            # (name, array, inline threshold, store): None for the defaults.
+            arrays: list[tuple[str, np.ndarray, int | None, str | None]] = [
+                ("tokens", g.completion_tokens, inline, None),
+                ("logprobs", g.logprobs, inline, None),
+            ]
+            if g.routing_trace is not None:
+                arrays.append(("trace", g.routing_trace, None, traces))
+            for key, arr, threshold, store in arrays:
+                small = payloads.inline_if_small(arr, inline_threshold=threshold)
+                if small is not None:
+                    refs[(i, key)] = small
+                else:
+                    puts[(i, key)] = payloads.put_array(
+                        f"{key}-{name}-{i}", arr, inline_threshold=threshold, store=store
+                    )
+        if puts:
+            refs.update(zip(puts, await asyncio.gather(*puts.values()), strict=True))
+        completions = [
+            ev.Completion(
+                generation_id=ids.generation_id(t.task_id, i),
+                sample_index=i,
+                completion_tokens=refs[(i, "tokens")],
+                logprobs=refs[(i, "logprobs")],
+                finish_reason=g.finish_reason,
+                routing_trace=refs.get((i, "trace")),
             )
-        body = ev.GenerationCompleted(
-            generation_id=gen_id,
+            for i, g in enumerate(samples)
+        ]
+        body = ev.CompletionsGenerated(
             task_id=t.task_id,
             env=t.env,
-            group_id=t.task_id,
-            sample_index=i,
-            group_size=t.group_size,
-            prompt_tokens=prompt,
-            completion_tokens=await self.payloads.put_array(
-                f"tokens-{name}", g.completion_tokens, inline_threshold=self.inline_bytes(task_event.tenant)
-            ),
-            logprobs=await self.payloads.put_array(
-                f"logprobs-{name}", g.logprobs, inline_threshold=self.inline_bytes(task_event.tenant)
-            ),
-            routing_trace=trace,
+            prompt_tokens=token_list_ref(d.seq, "prompt_tokens", t.prompt_tokens),
+            samples=list(completions),
             policy_version_start=version,
             policy_version_end=version,
             worker_id=self.worker_id,
-            finish_reason=g.finish_reason,
-            timings=ev.GenerationTimings(queued_s=queued, generate_s=gen_s, load_wait_s=load_wait),
+            timings=ev.GenerationTimings(
+                queued_s=max(0.0, time.time() - task_event.time), generate_s=gen_s, load_wait_s=load_wait
+            ),
             episode_id=t.episode_id,
             turn=t.turn,
         )
@@ -381,7 +398,7 @@ class InferenceWorker:
 
     async def run(self, stop: asyncio.Event) -> None:
         self.payloads = await Payloads.for_run(
-            self.bus.js, self.run_id, weights_dir=self.part.weights_dir, mooncake=self.part.mooncake
+            self.bus.js, self.run_id, weights_dir=self.part.weights_dir, bus=self.part.bus
         )
         weights: dict[str, float] = {}
         queues: list[TaskQueue] = []

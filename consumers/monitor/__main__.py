@@ -14,7 +14,7 @@ from pathlib import Path
 
 from jetrl.bus.client import Bus
 from jetrl.bus.log import get_logger
-from jetrl.bus.runtime import part_main
+from jetrl.bus.runtime import PartEntry
 from jetrl.consumers.monitor import reader
 from jetrl.consumers.monitor.service import Monitor
 from jetrl.consumers.monitor.settings import MonitorPart
@@ -64,14 +64,16 @@ async def watch(bus: Bus, run_id: str, part: MonitorPart, stop: asyncio.Event) -
     return 0
 
 
+PART = PartEntry(
+    prog="jetrl-monitor",
+    settings_model=MonitorPart,
+    client_name=lambda args, s: f"monitor-{args.run}",
+    body=lambda bus, args, s, stop: watch(bus, args.run, s, stop),
+)
+
+
 def main(argv: list[str] | None = None) -> int:
-    return part_main(
-        argv,
-        prog="jetrl-monitor",
-        settings_model=MonitorPart,
-        client_name=lambda args, s: f"monitor-{args.run}",
-        body=lambda bus, args, s, stop: watch(bus, args.run, s, stop),
-    )
+    return PART.main(argv)
 
 
 if __name__ == "__main__":

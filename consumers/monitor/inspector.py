@@ -1,6 +1,6 @@
 """The rollout inspector: a step's rollouts, token by token, from the run's log.
 
-For a step it reads the StepCompleted, the RolloutScored events at the sequences the step
+For a step it reads the StepCompleted, the RolloutsScored events at the sequences the step
 recorded, their arrays (inline, in the log, or in the payload store) and the step's token
 records (trainer log-probs and routing differences, ``StepCompleted.token_stats``), and
 returns for each rollout its text, reward and parts, versions and staleness, and per
@@ -50,12 +50,17 @@ class Inspector:
         rollouts, offset = [], 0
         for rid, rseq in zip(body.rollout_ids, body.rollout_seqs, strict=False):
             event = await self._payloads.event(rseq)
-            r = event.body
-            if not isinstance(r, ev.RolloutScored) or r.rollout_id != rid:
+            group = event.body
+            r = (
+                next((x for x in group.rollouts if x.rollout_id == rid), None)
+                if isinstance(group, ev.RolloutsScored)
+                else None
+            )
+            if not isinstance(group, ev.RolloutsScored) or r is None:
                 rollouts.append({"rollout_id": rid, "error": f"log position {rseq} holds no such rollout"})
                 stats = None  # its length is unknown: the token records no longer line up
                 continue
-            out = await self._rollout(step, event, r, stats, offset)
+            out = await self._rollout(step, event, group, r, stats, offset)
             offset += len(out["tokens"])
             rollouts.append(out)
         return {
@@ -67,11 +72,17 @@ class Inspector:
         }
 
     async def _rollout(
-        self, step: int, event: ev.Event, r: ev.RolloutScored, stats: np.ndarray | None, offset: int
+        self,
+        step: int,
+        event: ev.Event,
+        group: ev.RolloutsScored,
+        r: ev.ScoredRollout,
+        stats: np.ndarray | None,
+        offset: int,
     ) -> dict[str, Any]:
         assert self._payloads is not None
-        gen_id = r.generation_event_id
-        prompt = (await self._payloads.get_array(r.prompt_tokens, of_event=gen_id)).tolist()
+        gen_id = group.generation_event_id
+        prompt = (await self._payloads.get_array(group.prompt_tokens)).tolist()
         completion = (await self._payloads.get_array(r.completion_tokens, of_event=gen_id)).tolist()
         inf_lp = (await self._payloads.get_array(r.logprobs, of_event=gen_id)).astype(np.float64).tolist()
         mask = [1] * len(completion)
@@ -80,8 +91,11 @@ class Inspector:
         finish = ""
         if isinstance(r.completion_tokens, ev.LogArray):  # the generation's event, where the array lies
             gen = (await self._payloads.event(r.completion_tokens.seq)).body
-            if isinstance(gen, ev.GenerationCompleted):
-                finish = gen.finish_reason
+            if isinstance(gen, ev.CompletionsGenerated):
+                finish = next(
+                    (x.finish_reason for x in gen.samples if x.generation_id == r.rollout_id),
+                    gen.samples[0].finish_reason if len(gen.samples) == 1 else "",
+                )
         mine = stats[offset : offset + len(completion)] if stats is not None else None
         if mine is not None and len(mine) != len(completion):
             mine = None  # the token records do not line up with this rollout: show none
@@ -108,7 +122,7 @@ class Inspector:
         return {
             "rollout_id": r.rollout_id,
             "tenant": event.tenant,
-            "env": r.env,
+            "env": group.env,
             "reward": r.reward,
             "reward_parts": dict(r.reward_parts),
             "policy_version_start": r.policy_version_start,

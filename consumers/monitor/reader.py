@@ -19,8 +19,9 @@ from jetrl.bus import subjects
 from jetrl.bus.client import Bus
 from jetrl.bus.log import get_logger
 from jetrl.bus.streams import stream_name
-from jetrl.consumers.monitor import records as rec
 from jetrl.consumers.monitor.series import MonitorState, StepPoint
+from jetrl.store.readmodel import fact_of
+from jetrl.store.readmodel.stored import facts_of_store
 
 log = get_logger(__name__)
 
@@ -77,10 +78,10 @@ async def follow(
         if item.event is None:
             state.undecodable += 1
             continue
-        r = rec.of_event(item.seq, item.event)
-        if r is None:
+        fact = fact_of(item.seq, item.subject, item.event)
+        if fact is None:
             continue
-        point = state.apply(r)
+        point = state.apply(fact)
         if point is not None and on_point is not None:
             got = on_point(point)
             if got is not None:
@@ -115,7 +116,7 @@ def from_store(conn: sa.Connection, run_id: str, *, start: Start | None = None) 
     start = start or Start()
     state = MonitorState(run_id)
     state.from_step = start.step
-    for r in rec.of_store(conn, run_id):
-        if start.time is None or r.t >= start.time:
-            state.apply(r)
+    for fact in facts_of_store(conn, run_id):
+        if start.time is None or fact.t >= start.time:
+            state.apply(fact)
     return state

@@ -1,7 +1,7 @@
 """The monitor's fold: a run's log (or its store) in, the series people watch out.
 
-The log is turned into small records (:mod:`records`), and :class:`MonitorState` folds them
-in sequence order. The store path builds the same records from its rows, so a finished run's
+:class:`MonitorState` folds the run's facts (store/readmodel: what each event of the log
+states) in sequence order. A finished run's store gives the same facts from its rows, so its
 dashboard shows exactly what the live one showed (tests/monitor checks that the two agree).
 
 Per trainer step, a :class:`StepPoint` holds the step's figures: the trainer's own metrics
@@ -20,7 +20,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from jetrl.consumers.monitor import records as rec
+from jetrl.store import readmodel as rm
 
 # The trainer's metrics each StepPoint carries under its own name (0.0 where the engine
 # reports none).
@@ -35,6 +35,58 @@ TRAINER_METRICS = (
     "trainer_wait_s",
 )
 _GENERATIONS_KEPT = 200_000  # generations waiting for their rollout's step (a bound, not a target)
+# The facts the series are made of; the others (policy versions, weights, evaluations) are
+# neither folded nor counted.
+FOLDED = (
+    rm.Started,
+    rm.Resumed,
+    rm.Finished,
+    rm.Tasked,
+    rm.Generated,
+    rm.Scored,
+    rm.Withheld,
+    rm.Stepped,
+    rm.Dead,
+    rm.Beat,
+    rm.Loaded,
+    rm.Alerted,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Queued:
+    """A rollout scored, neither trained nor withheld yet: itself and its group's event."""
+
+    scored: rm.Scored
+    one: rm.ScoredOne
+
+    @property
+    def rollout_id(self) -> str:
+        return self.one.rollout_id
+
+    @property
+    def reward(self) -> float:
+        return self.one.reward
+
+    @property
+    def version_start(self) -> int:
+        return self.one.version_start
+
+    @property
+    def length(self) -> int | None:
+        return self.one.length
+
+    @property
+    def env(self) -> str:
+        return self.scored.env
+
+    @property
+    def tenant(self) -> str:
+        return self.scored.tenant
+
+    @property
+    def generation_event_id(self) -> str:
+        return self.scored.generation_event_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +177,7 @@ def _means_by(pairs: list[tuple[str, float]]) -> dict[str, float]:
 
 
 class MonitorState:
-    """The fold. ``apply`` takes records in log order; ``steps`` is the series so far."""
+    """The fold. ``apply`` takes facts in log order; ``steps`` is the series so far."""
 
     def __init__(self, run_id: str, *, keep_steps: int | None = None) -> None:
         self.run_id = run_id
@@ -133,9 +185,9 @@ class MonitorState:
         self.config: dict[str, Any] = {}
         self.started_at: float | None = None
         self.last_step_t: float | None = None
-        self.finished: rec.Finished | None = None
+        self.finished: rm.Finished | None = None
         self.last_seq = 0
-        self.last_t = 0.0  # the time of the newest record: "now" when folding history
+        self.last_t = 0.0  # the time of the newest fact: "now" when folding history
         self.workers: dict[str, WorkerState] = {}
         self.withheld_by_reason: dict[str, int] = {}
         self.dead_by_reason: dict[str, int] = {}
@@ -146,8 +198,8 @@ class MonitorState:
         self.events = 0
         self.undecodable = 0  # messages of the log that are not events (counted, not folded)
         self.from_step: int | None = None  # steps before it are folded but not kept as points
-        self._queued: dict[str, rec.Scored] = {}  # scored, neither trained nor withheld
-        self._generations: OrderedDict[str, rec.Generated] = OrderedDict()
+        self._queued: dict[str, Queued] = {}  # scored, neither trained nor withheld
+        self._generations: OrderedDict[str, rm.Generated] = OrderedDict()
         self._asked = 0  # samples asked for by tasks
         self._generated = 0
         self._wait_since_step = 0.0  # inference load_wait_s since the last step
@@ -157,53 +209,54 @@ class MonitorState:
 
     # ------------------------------------------------------------------ folding
 
-    def apply(self, r: rec.Record) -> StepPoint | None:
-        """Fold one record; returns the new StepPoint when it was a step."""
-        if r.seq <= self.last_seq:
-            return None  # a record seen already (a reader resumed from an earlier point)
+    def apply(self, r: rm.Fact) -> StepPoint | None:
+        """Fold one fact; returns the new StepPoint when it was a step."""
+        if not isinstance(r, FOLDED) or r.seq <= self.last_seq:
+            return None  # not one of the series', or seen already (a reader resumed earlier)
         self.last_seq = r.seq
         self.last_t = max(self.last_t, r.t)
         self.events += 1
         match r:
-            case rec.Tasked():
+            case rm.Tasked():
                 self._asked += r.samples
-            case rec.Generated():
-                self._generated += 1
+            case rm.Generated():
+                self._generated += len(r.samples)
                 self._wait_since_step += r.load_wait_s
                 self._busy_since_step += r.generate_s
                 self._generations[r.event_id] = r
                 if len(self._generations) > _GENERATIONS_KEPT:
                     self._generations.popitem(last=False)
-            case rec.Scored():
-                self._queued[r.rollout_id] = r
-            case rec.Withheld():
+            case rm.Scored():
+                for one in r.rollouts:
+                    self._queued[one.rollout_id] = Queued(r, one)
+            case rm.Withheld():
                 self._queued.pop(r.rollout_id, None)
                 self.withheld_by_reason[r.reason] = self.withheld_by_reason.get(r.reason, 0) + 1
                 self._withheld_since_step += 1
-            case rec.Stepped():
+            case rm.Stepped():
                 return self._step(r)
-            case rec.Dead():
+            case rm.Dead():
                 self.dead_by_reason[r.reason] = self.dead_by_reason.get(r.reason, 0) + 1
                 self.dead_times.append(r.t)
                 self._dead_since_step += 1
-            case rec.Beat():
+            case rm.Beat():
                 w = self._worker(r.worker_id, r.kind)
                 w.status, w.inflight, w.last_seen, w.stats = r.status, r.inflight, r.t, dict(r.stats)
                 if r.loaded_version is not None:
                     w.loaded_version = r.loaded_version
-            case rec.Loaded():
-                w = self._worker(r.worker_id, "inference")
+            case rm.Loaded():
+                w = self._worker(r.worker_id, r.kind)
                 w.loaded_version = r.version
                 w.last_seen = max(w.last_seen, r.t)
-            case rec.Alerted():
+            case rm.Alerted():
                 self.note_alert(AlertView(r.rule, r.key, r.state, r.severity, r.message, r.step, r.t))
-            case rec.Started():
+            case rm.Started():
                 self.config = dict(r.config)
                 self.started_at = r.t
-            case rec.Resumed():
+            case rm.Resumed():
                 self.config = dict(r.config)
                 self.finished = None
-            case rec.Finished():
+            case rm.Finished():
                 self.finished = r
         return None
 
@@ -223,14 +276,19 @@ class MonitorState:
             w = self.workers[worker_id] = WorkerState(worker_id, kind)
         return w
 
-    def _step(self, r: rec.Stepped) -> StepPoint | None:
+    def _step(self, r: rm.Stepped) -> StepPoint | None:
         trained = [self._queued.pop(rid) for rid in r.rollout_ids if rid in self._queued]
-        gens = [self._generations.pop(x.generation_event_id, None) for x in trained]
+        reasons = [
+            g.finish_reason(x.rollout_id)
+            for x in trained
+            if (g := self._generations.get(x.generation_event_id)) is not None
+        ]
+        for x in trained:
+            self._generations.pop(x.generation_event_id, None)
         since = self.last_step_t if self.last_step_t is not None else self.started_at
         span = r.t - since if since is not None else 0.0
         stale = [float(r.step - x.version_start) for x in trained]
         queued = [float(r.step + 1 - x.version_start) for x in self._queued.values()]
-        known = [g for g in gens if g is not None]
         inference_s = self._wait_since_step + self._busy_since_step
         point = StepPoint(
             step=r.step,
@@ -246,8 +304,8 @@ class MonitorState:
             staleness_mean=_mean(stale),
             staleness_max=max(stale, default=0.0),
             queue_staleness_mean=_mean(queued),
-            seq_len_mean=_mean([float(x.length) for x in trained]),
-            truncated_frac=_mean([1.0 if g.finish_reason == "length" else 0.0 for g in known]),
+            seq_len_mean=_mean([float(x.length or 0) for x in trained]),
+            truncated_frac=_mean([1.0 if reason == "length" else 0.0 for reason in reasons if reason]),
             tokens_per_s=r.tokens / span if span > 0 else 0.0,
             inference_weight_wait_frac=self._wait_since_step / inference_s if inference_s > 0 else 0.0,
             withheld=self._withheld_since_step,

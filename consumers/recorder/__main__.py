@@ -12,7 +12,7 @@ import sys
 
 from jetrl.bus.client import Bus
 from jetrl.bus.log import get_logger
-from jetrl.bus.runtime import part_main
+from jetrl.bus.runtime import PartEntry
 from jetrl.consumers.recorder.recorder import Recorder, configure_gc
 from jetrl.consumers.recorder.settings import RecorderPart
 from jetrl.store.db import open_store_for_writing
@@ -34,14 +34,16 @@ async def record(bus: Bus, run_id: str, s: RecorderPart, stop: asyncio.Event) ->
     return 0
 
 
+PART = PartEntry(
+    prog="jetrl-recorder",
+    settings_model=RecorderPart,
+    client_name=lambda args, s: f"recorder-{args.run}",
+    body=lambda bus, args, s, stop: record(bus, args.run, s, stop),
+)
+
+
 def main(argv: list[str] | None = None) -> int:
-    return part_main(
-        argv,
-        prog="jetrl-recorder",
-        settings_model=RecorderPart,
-        client_name=lambda args, s: f"recorder-{args.run}",
-        body=lambda bus, args, s, stop: record(bus, args.run, s, stop),
-    )
+    return PART.main(argv)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
 """What the trainer refuses at its edge, and why (torch-free).
 
-A RolloutScored comes from a tenant's producer, which may run anywhere and be hostile. The
+A RolloutsScored comes from a tenant's producer, which may run anywhere and be hostile. The
 bus already dead-letters events that are undecodable or not on their own subject; these checks
 cover what only the trainer knows: the run's environments, its model's context, vocabulary and
 routing layout, and its current version. Each returns None or a ``(reason, detail)`` pair whose
 reason is the dead-letter slug the producer reads on its own dead-letter subject.
 
-Two stages: :func:`check_rollout` needs only the event (admission, before the rollout is held);
+Two stages: :func:`check_rollouts` needs only the event (admission, before the rollout is held);
 :func:`check_read` looks at the arrays, which are read at step time.
 """
 
@@ -67,8 +67,8 @@ def routes_by_key(routes: list[EnvRoute]) -> dict[RouteKey, EnvRoute]:
     return {(r.tenant, r.env): r for r in routes}
 
 
-def check_rollout(
-    b: ev.RolloutScored,
+def check_rollouts(
+    b: ev.RolloutsScored,
     tenant: str,
     *,
     routes: Mapping[RouteKey, EnvRoute],
@@ -76,9 +76,10 @@ def check_rollout(
     version: int,
     bucket: str | None = None,
 ) -> Rejection | None:
-    """Why rollout ``b`` of ``tenant`` (the envelope's, which the bus checked against the
-    subject) cannot be trained at trainer version ``version``, else None. ``routes`` empty: any
-    environment. ``bucket``: the run's payload bucket, the only one a reference may name."""
+    """Why the rollouts of ``b`` (of ``tenant``: the envelope's, which the bus checked against
+    the subject) cannot be trained at trainer version ``version``, else None: the event is
+    refused whole. ``routes`` empty: any environment. ``bucket``: the run's payload bucket, the
+    only one a reference may name."""
     route = routes.get((tenant, b.env))
     if routes and route is None:
         return "unknown_env", f"tenant {tenant!r} has no environment {b.env!r} in this run"
@@ -87,29 +88,49 @@ def check_rollout(
     prefix = ids.task_prefix(b.env, tenant)
     if not b.group_id.startswith(prefix) or not b.task_id.startswith(prefix):
         return "bad_ids", f"group {b.group_id!r} / task {b.task_id!r} outside the tenant's {prefix!r}"
-    if b.rollout_id != ids.rollout_id(b.group_id, b.sample_index):
-        return "bad_ids", f"rollout id {b.rollout_id!r} is not <group_id>-<sample_index>"
     if b.group_size < 2:
         return "invalid_group", f"group_size {b.group_size} < 2: no group-relative advantage"
     if route is not None and b.group_size != route.group_size:
         return "invalid_group", f"group_size {b.group_size}, the env's is {route.group_size}"
-    if not 0 <= b.sample_index < b.group_size:
-        return "invalid_group", f"sample_index {b.sample_index} outside [0, {b.group_size})"
-    bad = [k for k, v in b.reward_parts.items() if not math.isfinite(v)]
-    if not math.isfinite(b.reward) or bad:
-        return "non_finite", f"reward {b.reward!r}, non-finite parts {bad}"
-    if abs(b.reward) > MAX_ABS_REWARD:
-        return "reward_range", f"|reward| {b.reward!r} > {MAX_ABS_REWARD:g}"
-    start, end = b.policy_version_start, b.policy_version_end
+    if not b.rollouts:
+        return "invalid_group", "no rollouts"
+    indexes = [r.sample_index for r in b.rollouts]
+    if len(set(indexes)) != len(indexes):
+        return "invalid_group", f"sample indexes {indexes} repeat"
+    for r in b.rollouts:
+        rejection = _check_one(b, r, limits, version, bucket)
+        if rejection is not None:
+            reason, detail = rejection
+            return reason, f"rollout {r.rollout_id}: {detail}"
+    return None
+
+
+def _check_one(
+    b: ev.RolloutsScored, r: ev.ScoredRollout, limits: ModelLimits, version: int, bucket: str | None
+) -> Rejection | None:
+    if r.rollout_id != ids.rollout_id(b.group_id, r.sample_index):
+        return "bad_ids", f"rollout id {r.rollout_id!r} is not <group_id>-<sample_index>"
+    if not 0 <= r.sample_index < b.group_size:
+        return "invalid_group", f"sample_index {r.sample_index} outside [0, {b.group_size})"
+    bad = [k for k, v in r.reward_parts.items() if not math.isfinite(v)]
+    if not math.isfinite(r.reward) or bad:
+        return "non_finite", f"reward {r.reward!r}, non-finite parts {bad}"
+    if abs(r.reward) > MAX_ABS_REWARD:
+        return "reward_range", f"|reward| {r.reward!r} > {MAX_ABS_REWARD:g}"
+    start, end = r.policy_version_start, r.policy_version_end
     if start < 0 or start > end:
         return "bad_version", f"policy versions {start}..{end}"
     if end > version:
         return "future_version", f"policy version {end} does not exist yet (the trainer is at {version})"
-    return _check_shapes(b, limits, bucket)
+    try:
+        _shapes(b.prompt_tokens, r, limits, bucket)
+    except _Refused as exc:
+        return exc.rejection
+    return None
 
 
-def check_member(group: ev.RolloutScored, b: ev.RolloutScored) -> Rejection | None:
-    """``b`` against a member ``group`` already held of the same group."""
+def check_member(group: ev.RolloutsScored, b: ev.RolloutsScored) -> Rejection | None:
+    """``b`` against an event ``group`` already held of the same group."""
     if b.group_size != group.group_size:
         return "invalid_group", f"group_size {b.group_size}, its group's members say {group.group_size}"
     return None
@@ -156,29 +177,21 @@ def _vector(
     return shape[0]
 
 
-def _check_shapes(b: ev.RolloutScored, limits: ModelLimits, bucket: str | None) -> Rejection | None:
-    try:
-        _shapes(b, limits, bucket)
-    except _Refused as exc:
-        return exc.rejection
-    return None
-
-
-def _shapes(b: ev.RolloutScored, limits: ModelLimits, bucket: str | None) -> None:
-    p = _vector(b.prompt_tokens, "prompt_tokens", TOKEN_DTYPES, bucket)
-    c = _vector(b.completion_tokens, "completion_tokens", TOKEN_DTYPES, bucket)
+def _shapes(prompt: ev.ArrayRef, r: ev.ScoredRollout, limits: ModelLimits, bucket: str | None) -> None:
+    p = _vector(prompt, "prompt_tokens", TOKEN_DTYPES, bucket)
+    c = _vector(r.completion_tokens, "completion_tokens", TOKEN_DTYPES, bucket)
     if p < 1 or c < 1:
         raise _Refused("bad_arrays", f"needs >= 1 prompt and >= 1 completion token, got {p}+{c}")
-    _vector(b.logprobs, "logprobs", FLOAT_DTYPES, bucket, c)
-    if b.completion_mask is not None:
-        _vector(b.completion_mask, "completion_mask", frozenset({"uint8"}), bucket, c)
+    _vector(r.logprobs, "logprobs", FLOAT_DTYPES, bucket, c)
+    if r.completion_mask is not None:
+        _vector(r.completion_mask, "completion_mask", frozenset({"uint8"}), bucket, c)
     if p + c > limits.max_seq_len:
         raise _Refused(
             "too_long", f"{p} prompt + {c} completion tokens > the model's context of {limits.max_seq_len}"
         )
     if not limits.replay:
         return  # traces are never read
-    if b.routing_trace is None:
+    if r.routing_trace is None:
         if limits.trace is not None:
             raise _Refused(
                 "bad_arrays", "no routing_trace: this MoE run replays routing (every rollout needs one)"
@@ -186,7 +199,7 @@ def _shapes(b: ev.RolloutScored, limits: ModelLimits, bucket: str | None) -> Non
         return
     if limits.trace is None:
         raise _Refused("bad_arrays", "a routing_trace for a dense model")
-    dtype, shape = _declared(b.routing_trace, "routing_trace", bucket)
+    dtype, shape = _declared(r.routing_trace, "routing_trace", bucket)
     layers, top_k, _ = limits.trace
     want = (p + c - 1, layers, top_k)  # every token fed forward: all but the last
     if dtype not in TRACE_DTYPES or shape != want:

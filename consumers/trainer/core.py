@@ -42,6 +42,29 @@ class RolloutArrays:
     trace: np.ndarray | None = None  # None also when traces are not replayed
 
 
+@dataclass(frozen=True, slots=True)
+class ScoredView:
+    """One scored rollout as the trainer reads it: the rollout, the group's event it came in,
+    and the event id its prompt must lie in when it is referred to in the log (its first
+    task's: :func:`~jetrl.bus.ids.task_event_id`)."""
+
+    body: ev.RolloutsScored
+    rollout: ev.ScoredRollout
+    prompt_owner: str
+
+    @property
+    def rollout_id(self) -> str:
+        return self.rollout.rollout_id
+
+    @property
+    def group_id(self) -> str:
+        return self.body.group_id
+
+    @property
+    def reward(self) -> float:
+        return self.rollout.reward
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     version: int
@@ -58,28 +81,28 @@ class TrainCore:
 
     # ------------------------------------------------------------------ one step
 
-    async def read_arrays(self, b: ev.RolloutScored, payloads: Payloads) -> RolloutArrays:
+    async def read_arrays(self, v: ScoredView, payloads: Payloads) -> RolloutArrays:
         """One rollout's arrays as the step uses them (a trace only when it is replayed)."""
-        # Arrays in the log must lie in this rollout's own generation: a tenant's rollout may not
-        # train on another's tokens by pointing at them.
-        own = b.generation_event_id
+        # Arrays in the log must lie in this rollout's own generation (its prompt in its own
+        # task): a tenant's rollout may not train on another's tokens by pointing at them.
+        own, r = v.body.generation_event_id, v.rollout
         trace = None
-        if b.routing_trace is not None and self.s.replay:
-            trace = await payloads.get_array(b.routing_trace, of_event=own)
+        if r.routing_trace is not None and self.s.replay:
+            trace = await payloads.get_array(r.routing_trace, of_event=own)
         mask = (
-            None if b.completion_mask is None else await payloads.get_array(b.completion_mask, of_event=own)
+            None if r.completion_mask is None else await payloads.get_array(r.completion_mask, of_event=own)
         )
         return RolloutArrays(
-            prompt=await payloads.get_array(b.prompt_tokens, of_event=own),
-            completion=await payloads.get_array(b.completion_tokens, of_event=own),
-            logprobs=await payloads.get_array(b.logprobs, of_event=own),
+            prompt=await payloads.get_array(v.body.prompt_tokens, of_event=v.prompt_owner),
+            completion=await payloads.get_array(r.completion_tokens, of_event=own),
+            logprobs=await payloads.get_array(r.logprobs, of_event=own),
             mask=mask,
             trace=trace,
         )
 
     async def rollouts(
         self,
-        bodies: Sequence[ev.RolloutScored],
+        views: Sequence[ScoredView],
         payloads: Payloads,
         read: Mapping[str, RolloutArrays] | None = None,
     ) -> list[Rollout]:
@@ -88,29 +111,22 @@ class TrainCore:
         read (and checked) by rollout id; the others are read here."""
         read = read or {}
         ids: dict[str, int] = {}
-        group_idx = torch.tensor([ids.setdefault(b.group_id, len(ids)) for b in bodies])
-        rewards = torch.tensor([b.reward for b in bodies], dtype=torch.float32)
+        group_idx = torch.tensor([ids.setdefault(v.group_id, len(ids)) for v in views])
+        rewards = torch.tensor([v.reward for v in views], dtype=torch.float32)
         adv = group_advantages(rewards, group_idx, std_scale=self.s.std_scale_advantages)
         # Arrays that lie in the log (a rollout's are its generation's) are read ahead together.
-        await payloads.prefetch(
-            [
-                a
-                for b in bodies
-                if b.rollout_id not in read
-                for a in (b.prompt_tokens, b.completion_tokens, b.logprobs, b.routing_trace)
-            ]
-        )
+        await payloads.prefetch([a for v in views if v.rollout_id not in read for a in array_refs(v)])
         out: list[Rollout] = []
-        for i, b in enumerate(bodies):
-            got = read.get(b.rollout_id) or await self.read_arrays(b, payloads)
+        for i, v in enumerate(views):
+            got = read.get(v.rollout_id) or await self.read_arrays(v, payloads)
             out.append(
                 Rollout(
-                    prompt_ids=got.prompt.tolist(),
-                    completion_ids=got.completion.tolist(),
+                    prompt_ids=got.prompt,
+                    completion_ids=got.completion,
                     inference_logprobs=torch.from_numpy(got.logprobs.copy()),
                     advantage=float(adv[i]),
                     routing=None if got.trace is None else torch.from_numpy(got.trace.astype("int64")),
-                    completion_mask=None if got.mask is None else [bool(x) for x in got.mask.tolist()],
+                    completion_mask=None if got.mask is None else got.mask.astype(bool),
                 )
             )
         return out
@@ -167,6 +183,12 @@ class TrainCore:
                 f"{path}: weights checksum {digest} does not match the recorded {meta['weights_checksum']}"
             )
         return Checkpoint(int(meta["version"]), digest, int(meta["log_seq"]), path)
+
+
+def array_refs(v: ScoredView) -> tuple[ev.ArrayRef | None, ...]:
+    """The arrays a rollout's training reads."""
+    r = v.rollout
+    return (v.body.prompt_tokens, r.completion_tokens, r.logprobs, r.routing_trace, r.completion_mask)
 
 
 def _write_synced(path: Path, data: bytes) -> None:

@@ -1,38 +1,73 @@
 """The trainer's buffer of scored rollouts by group: members held until their group is whole,
 groups condemned by a dead-lettered member, and the arrays read for a batch (vetted) until the
 batch is trained or the group settled. No bus I/O here: the trainer acks, withholds and
-dead-letters; the buffer keeps account of what it holds."""
+dead-letters; the buffer keeps account of what it holds.
+
+A delivery (one RolloutsScored) brings one or more rollouts of one group: a single-turn task's
+whole group at once, a multi-turn episode's rollout on its own. A group is whole when it holds
+``group_size`` rollouts, whatever the deliveries that brought them."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
-from jetrl.consumers.trainer.core import RolloutArrays
+from jetrl.bus import events as ev
+from jetrl.consumers.trainer.core import RolloutArrays, ScoredView
 from jetrl.consumers.trainer.withholding import ScoredDelivery
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """One rollout held, and the delivery that brought it."""
+
+    delivery: ScoredDelivery
+    rollout: ev.ScoredRollout
+
+    @property
+    def rollout_id(self) -> str:
+        return self.rollout.rollout_id
+
+    @property
+    def seq(self) -> int:
+        return self.delivery.seq
+
+    def view(self, prompt_owner: str) -> ScoredView:
+        return ScoredView(self.delivery.body, self.rollout, prompt_owner)
 
 
 @dataclass
 class Group:
     group_id: str
-    deliveries: list[ScoredDelivery] = field(default_factory=list)
+    members: list[Member] = field(default_factory=list)
 
     @property
     def size(self) -> int:
-        return self.deliveries[0].body.group_size
+        return self.members[0].delivery.body.group_size
 
     @property
     def first_seq(self) -> int:
-        return min(d.seq for d in self.deliveries)
+        return min(m.seq for m in self.members)
 
     @property
     def route(self) -> tuple[str, str]:
         """(tenant, env): the environment whose batch share it fills."""
-        d = self.deliveries[0]
+        d = self.members[0].delivery
         return d.event.tenant, d.body.env
 
+    @property
+    def deliveries(self) -> list[ScoredDelivery]:
+        """The deliveries that brought its members, each once."""
+        seen: dict[int, ScoredDelivery] = {}
+        for m in self.members:
+            seen.setdefault(id(m.delivery), m.delivery)
+        return list(seen.values())
+
     def oldest_version(self) -> int:
-        return min(d.body.policy_version_start for d in self.deliveries)
+        return min(m.rollout.policy_version_start for m in self.members)
+
+    def rewards(self) -> list[float]:
+        return [m.rollout.reward for m in self.members]
 
 
 class GroupBuffer:
@@ -48,12 +83,13 @@ class GroupBuffer:
         return self.groups.get(group_id)
 
     def add(self, d: ScoredDelivery) -> bool:
-        """Hold ``d`` in its group; False when its rollout is held already (a redelivery)."""
+        """Hold ``d``'s rollouts in their group; False when every one of them is held already
+        (a redelivery)."""
         g = self.groups.setdefault(d.body.group_id, Group(d.body.group_id))
-        if any(x.body.rollout_id == d.body.rollout_id for x in g.deliveries):
-            return False
-        g.deliveries.append(d)
-        return True
+        held = {m.rollout_id for m in g.members}
+        new = [Member(d, r) for r in d.body.rollouts if r.rollout_id not in held]
+        g.members.extend(new)
+        return bool(new)
 
     def drop(self, group_id: str) -> Group | None:
         """Stop holding the group (trained, withheld or condemned), and its read arrays."""
@@ -70,20 +106,21 @@ class GroupBuffer:
         """The vetted arrays of ``groups`` by rollout id, handed over once."""
         return {rid: a for g in groups for rid, a in self.vetted.pop(g.group_id, {}).items()}
 
-    def condemn(self, group_id: str) -> list[ScoredDelivery]:
+    def condemn(self, group_id: str) -> list[Member]:
         """The group has a dead-lettered member: its members held, which are no longer held, and
         those still to come are refused (:attr:`rejected`)."""
         self.rejected.add(group_id)
         g = self.drop(group_id)
-        return g.deliveries if g else []
+        return g.members if g else []
 
     def ready(self) -> list[Group]:
         """Whole groups, oldest first."""
         return sorted(
-            (g for g in self.groups.values() if len(g.deliveries) >= g.size), key=lambda g: g.first_seq
+            (g for g in self.groups.values() if len(g.members) >= g.size), key=lambda g: g.first_seq
         )
 
     def held(self) -> Iterator[ScoredDelivery]:
+        """Every delivery held, each once."""
         for g in self.groups.values():
             yield from g.deliveries
 

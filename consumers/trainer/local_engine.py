@@ -22,7 +22,7 @@ from jetrl.policy.train import (
     set_deterministic,
     train_step,
 )
-from jetrl.policy.weights import checksum, load_into, weights_to_bytes
+from jetrl.policy.weights import ExportedWeights, checksum, export_weights, load_into
 
 STATE_FILE = "state.pt"  # weights and optimizer, one file
 
@@ -35,7 +35,7 @@ class LocalTrainEngine:
         self.mcfg = model_config_of(part.model)
         self.model = initial_model(part.model, seed=part.seed)
         self.optimizer = make_optimizer(self.model, lr=s.lr, weight_decay=s.weight_decay)
-        self.loss_cfg = LossConfig(kl_coef=s.kl_coef, entropy_coef=s.entropy_coef)
+        self.loss_cfg = LossConfig.clipped(s.ratio_clip, kl_coef=s.kl_coef, entropy_coef=s.entropy_coef)
         self.replay = s.replay and self.mcfg.is_moe
         self.last_token_stats: list[torch.Tensor] | None = None
 
@@ -67,9 +67,9 @@ class LocalTrainEngine:
     def checksum(self) -> str:
         return checksum(self.model)
 
-    def export_weights(self, metadata: Mapping[str, str]) -> tuple[bytes, str]:
+    def export_weights(self, metadata: Mapping[str, str]) -> ExportedWeights:
         hf = self.mcfg if self.s.weights_layout == "hf" else None
-        return weights_to_bytes(self.model, metadata, hf_config=hf)
+        return export_weights(self.model, metadata, hf_config=hf)
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
         load_into(self.model, tensors)

@@ -15,14 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from jetrl.bus import events as ev
-from jetrl.bus import subjects
+from jetrl.bus import ids, subjects
 from jetrl.bus.client import Bus
 from jetrl.bus.facts import spoofed
 from jetrl.bus.payloads import Payloads
-from jetrl.consumers.trainer.core import Checkpoint, TrainCore, checkpoint_path
+from jetrl.consumers.trainer.core import Checkpoint, ScoredView, TrainCore, checkpoint_path
 from jetrl.consumers.trainer.settings import TrainerSettings
 from jetrl.policy.origin import model_config_of
 from jetrl.policy.weights import weights_from_bytes
+from jetrl.store import readmodel as rm
 
 
 class ReplayError(RuntimeError):
@@ -31,21 +32,41 @@ class ReplayError(RuntimeError):
 
 @dataclass
 class RunLog:
-    """The facts replay needs, read from the log up to its head at reading time."""
+    """The facts replay needs, read from the log up to its head at reading time: the first of
+    each step, policy version and weights (as the store keeps them; a recovered trainer may
+    log one again)."""
 
     head: int = 0
-    config: dict[str, Any] | None = None
-    library_versions: dict[str, str] = field(default_factory=dict)
-    steps: dict[int, tuple[ev.StepCompleted, int]] = field(default_factory=dict)  # step -> (body, seq)
-    policies: dict[int, ev.PolicyVersionPublished] = field(default_factory=dict)
-    weights: dict[int, ev.WeightsReady] = field(default_factory=dict)
+    started: rm.Started | None = None
+    steps: dict[int, rm.Stepped] = field(default_factory=dict)
+    policies: dict[int, rm.Versioned] = field(default_factory=dict)
+    weights: dict[int, rm.Ready] = field(default_factory=dict)
+
+    def add(self, fact: rm.Fact) -> None:
+        match fact:
+            case rm.Started() if self.started is None:
+                self.started = fact
+            case rm.Stepped():
+                self.steps.setdefault(fact.step, fact)
+            case rm.Versioned():
+                self.policies.setdefault(fact.version, fact)
+            case rm.Ready():
+                self.weights.setdefault(fact.version, fact)
+
+    @property
+    def config(self) -> dict[str, Any] | None:
+        return self.started.config if self.started is not None else None
+
+    @property
+    def library_versions(self) -> dict[str, str]:
+        return self.started.library_versions if self.started is not None else {}
 
     @property
     def last_step(self) -> int:
         return max(self.steps, default=-1)
 
     def trained_ids(self) -> set[str]:
-        return {rid for body, _ in self.steps.values() for rid in body.rollout_ids}
+        return {rid for s in self.steps.values() for rid in s.rollout_ids}
 
 
 async def read_run_log(bus: Bus, run_id: str) -> RunLog:
@@ -59,15 +80,9 @@ async def read_run_log(bus: Bus, run_id: str) -> RunLog:
         subjects.weights_subject(run_id),
     ):
         async for item in bus.tail(run_id, filter_subject=subject, to_head=True):
-            b = item.event.body if item.event else None
-            if isinstance(b, ev.RunStarted) and log.config is None:
-                log.config, log.library_versions = b.config, b.library_versions
-            elif isinstance(b, ev.StepCompleted):
-                log.steps.setdefault(b.step, (b, item.seq))
-            elif isinstance(b, ev.PolicyVersionPublished):
-                log.policies.setdefault(b.version, b)
-            elif isinstance(b, ev.WeightsReady):
-                log.weights.setdefault(b.version, b)
+            fact = rm.fact_of(item.seq, item.subject, item.event) if item.event is not None else None
+            if fact is not None:
+                log.add(fact)
     return log
 
 
@@ -75,38 +90,43 @@ def trained_seqs(log: RunLog, from_step: int = 0) -> dict[str, int]:
     """Where each rollout trained at ``from_step`` or later lies in the log, as its
     StepCompleted recorded (steps logged before rollout_seqs existed record none)."""
     out: dict[str, int] = {}
-    for step, (body, _) in log.steps.items():
-        if step >= from_step and len(body.rollout_seqs) == len(body.rollout_ids):
-            out.update(zip(body.rollout_ids, body.rollout_seqs, strict=True))
+    for step, s in log.steps.items():
+        if step >= from_step and len(s.rollout_seqs) == len(s.rollout_ids):
+            out.update(zip(s.rollout_ids, s.rollout_seqs, strict=True))
     return out
 
 
 async def read_rollouts(
-    bus: Bus, run_id: str, ids: set[str], seqs: dict[str, int] | None = None
-) -> tuple[dict[str, ev.RolloutScored], set[str]]:
-    """In one pass over the rollout subjects: the RolloutScored events of ``ids``, and every
-    rollout the trainer withheld (never to be trained, even if delivered again).
+    bus: Bus, run_id: str, wanted: set[str], seqs: dict[str, int] | None = None
+) -> tuple[dict[str, ScoredView], set[str]]:
+    """In one pass over the rollout subjects: the rollouts of ``wanted`` (each with the
+    RolloutsScored it came in), and every rollout the trainer withheld (never to be trained,
+    even if delivered again).
 
-    A rollout is the event at the sequence its step recorded (``seqs``): a rollout id is only
-    a name, and a hostile tenant may publish another event under it first (the trainer
+    A rollout is the one in the event at the sequence its step recorded (``seqs``): a rollout id
+    is only a name, and a hostile tenant may publish another event under it first (the trainer
     refuses that one, but it is in the log). Without a recorded sequence, the first event of
     the id that is a fact of the run (``spoofed``)."""
     seqs = seqs or {}
-    scored: dict[str, ev.RolloutScored] = {}
+    scored: dict[str, ScoredView] = {}
     withheld: set[str] = set()
     async for item in bus.tail(run_id, filter_subject=subjects.rollout_subject(run_id), to_head=True):
         if item.event is None or spoofed(run_id, item.subject, item.event) is not None:
             continue
         b = item.event.body
-        if isinstance(b, ev.RolloutScored) and b.rollout_id in ids:
-            want = seqs.get(b.rollout_id)
-            if want is None:
-                scored.setdefault(b.rollout_id, b)
-            elif item.seq == want:
-                scored[b.rollout_id] = b
+        if isinstance(b, ev.RolloutsScored):
+            for r in b.rollouts:
+                if r.rollout_id not in wanted:
+                    continue
+                view = ScoredView(b, r, ids.task_event_id(run_id, b.task_id))
+                want = seqs.get(r.rollout_id)
+                if want is None:
+                    scored.setdefault(r.rollout_id, view)
+                elif item.seq == want:
+                    scored[r.rollout_id] = view
         elif isinstance(b, ev.RolloutWithheld):
             withheld.add(b.rollout_id)
-    missing = ids - set(scored)
+    missing = wanted - set(scored)
     if missing:
         raise ReplayError(f"{len(missing)} trained rollouts are not in the log, e.g. {sorted(missing)[:3]}")
     return scored, withheld
@@ -146,7 +166,7 @@ class Replayer:
         ready = self.log.weights.get(0)
         if ready is None:
             raise ReplayError("the log has no initial weights (WeightsReady version 0)")
-        data = await self.payloads.get_bytes(ready.location)
+        data = await self.payloads.get_weights(ready)  # checked as it lands; the checksum again below
         cfg = model_config_of(self.core.part.model)
         tensors, _ = weights_from_bytes(data, expected_checksum=ready.weights_checksum, model_cfg=cfg)
         self.core.engine.load_weights(tensors)
@@ -163,7 +183,7 @@ class Replayer:
 
     async def run(
         self,
-        rollouts: dict[str, ev.RolloutScored],
+        rollouts: dict[str, ScoredView],
         *,
         to_step: int | None = None,
         stop_on_mismatch: bool = True,
@@ -175,8 +195,7 @@ class Replayer:
         for step in range(self.version, last + 1):
             if step not in self.log.steps:
                 raise ReplayError(f"step {step} is missing from the log (steps must be contiguous)")
-            body, _ = self.log.steps[step]
-            batch = [rollouts[rid] for rid in body.rollout_ids]
+            batch = [rollouts[rid] for rid in self.log.steps[step].rollout_ids]
             metrics = self.core.train(await self.core.rollouts(batch, self.payloads))
             self.version = step + 1
             pv = self.log.policies.get(step + 1)

@@ -7,7 +7,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from jetrl.bus.settings import MAX_OFF_POLICY_STEPS, EnvRoute, MooncakeSettings, Section, TenantSettings
+from jetrl.bus.settings import MAX_OFF_POLICY_STEPS, BusSettings, EnvRoute, Section, TenantSettings
+from jetrl.plugins import TRAIN_ENGINES
 from jetrl.policy.settings import ModelSettings
 
 
@@ -61,8 +62,9 @@ class ParallelismSettings(Section):
 
 
 class TrainerSettings(Section):
-    # A name of consumers.trainer.engine.ENGINES, or "module:attr"; "auto": "local" for one
-    # rank, "parallel" when [trainer.parallelism] asks for more.
+    # A train engine of jetrl/plugins.py, or "package.module:attr"; "auto": the first built-in
+    # whose launch fits [trainer.parallelism] (one process for one rank, torchrun for more),
+    # resolved as the settings are validated: the run records the engine's own name.
     engine: str = "auto"
     parallelism: ParallelismSettings = ParallelismSettings()
     lr: float = 5e-4
@@ -74,6 +76,12 @@ class TrainerSettings(Section):
     reward_window: int = Field(10, ge=1)
     replay: bool = True
     kl_coef: float = Field(1e-3, ge=0)
+    # PPO's clip against the policy that sampled each rollout (policy/loss.py LossConfig.clipped):
+    # a token its own policy has moved past 1 +- ratio_clip, on the side its advantage pushes,
+    # gets no more push. Keeps off-policy steps as sample-efficient as on-policy ones
+    # (docs/policy.md); 0: off, only the train/inference mismatch mask. Part of the maths: a run
+    # replays with its own.
+    ratio_clip: float = Field(0.2, ge=0, lt=1)
     entropy_coef: float = Field(0.0, ge=0)
     std_scale_advantages: bool = False
     max_grad_norm: float = 1.0
@@ -98,9 +106,20 @@ class TrainerSettings(Section):
 
     @property
     def engine_name(self) -> str:
-        if self.engine != "auto":
-            return self.engine
-        return "local" if self.parallelism.world_size == 1 else "parallel"
+        """The train engine (``auto`` is resolved as the settings are validated)."""
+        return self.engine
+
+    @model_validator(mode="after")
+    def _engine(self) -> TrainerSettings:
+        from jetrl.consumers.trainer.engine import auto_engine, train_launch
+
+        if self.engine == "auto":
+            # Resolved here, once: what the run records (RunStarted) is the engine that runs.
+            self.engine = auto_engine(self)
+        else:
+            TRAIN_ENGINES.check(self.engine)
+        train_launch(self.engine).check(self)
+        return self
 
 
 class TrainerPart(Section):
@@ -110,13 +129,12 @@ class TrainerPart(Section):
     model: ModelSettings = ModelSettings()
     seed: int = 0
     temperature: float = 1.0  # the sampling temperature: trainer logprobs are taken under it
-    # Weights go to this shared directory (a FilePayloads store) instead of the run's object
-    # store: much faster for models past a few MB when every process sees the same filesystem.
+    # The run's [bus]: where weights go (`weights_store`, a payload store of jetrl/plugins.py),
+    # each store's own section.
+    bus: BusSettings = BusSettings()
+    # The run's shared directory, for a store that keeps files there ("file": much faster than
+    # the object store for models past a few MB when every process sees the same filesystem).
     weights_dir: str | None = None
-    # Or weights stay in this process's memory, pulled by each worker ("mooncake").
-    weights_store: Literal["objstore", "file", "mooncake"] = "objstore"
-    # This process's Mooncake engine, when weights or routing traces travel that way.
-    mooncake: MooncakeSettings | None = None
     # The run's tenants and environments (batch shares; rollouts of any other pair are refused);
     # empty: any environment, batches filled in arrival order.
     tenants: list[TenantSettings] = Field(default_factory=list)

@@ -1,7 +1,8 @@
 """The trainer consumer: scored rollouts in, policy versions out.
 
-It pulls RolloutScored events, gathers whole groups, withholds groups staler than
-``max_off_policy_steps`` (a RolloutWithheld event per rollout, never a silent drop), and once it
+It pulls RolloutsScored events (a group's rollouts, or an episode's), gathers whole groups,
+withholds groups staler than ``max_off_policy_steps`` (a RolloutWithheld event per rollout, never
+a silent drop), and once it
 holds ``batch_groups`` fresh groups takes one optimizer step on them with Router Replay. Then,
 in this order, it publishes StepCompleted (the exact rollouts consumed, in training order),
 writes the new weights to the payload store and announces them (PolicyVersionPublished,
@@ -28,6 +29,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -45,12 +47,19 @@ from jetrl.consumers.trainer.admission import (
     ModelLimits,
     check_member,
     check_read,
-    check_rollout,
+    check_rollouts,
     routes_by_key,
 )
 from jetrl.consumers.trainer.batching import fill_batch
-from jetrl.consumers.trainer.core import RolloutArrays, TrainCore, checkpoint_version, list_checkpoints
-from jetrl.consumers.trainer.groups import Group, GroupBuffer, share_without_signal
+from jetrl.consumers.trainer.core import (
+    RolloutArrays,
+    ScoredView,
+    TrainCore,
+    array_refs,
+    checkpoint_version,
+    list_checkpoints,
+)
+from jetrl.consumers.trainer.groups import Group, GroupBuffer, Member, share_without_signal
 from jetrl.consumers.trainer.replay import Replayer, ReplayError, read_rollouts, read_run_log, trained_seqs
 from jetrl.consumers.trainer.settings import TrainerPart
 from jetrl.consumers.trainer.withholding import ScoredDelivery, rollout_consumer_spec, withheld_event
@@ -75,6 +84,7 @@ class Trainer:
         self.version = 0
         self.trained: set[str] = set()
         self.withheld_ids: set[str] = set()
+        self._task_events: dict[str, str] = {}  # task id -> its TaskSubmitted's event id
         self.buffer = GroupBuffer({(r.tenant, r.env): r.share for r in part.envs})
         self.routes = routes_by_key(part.envs)
         mcfg = model_config_of(part.model)
@@ -108,7 +118,7 @@ class Trainer:
         self.trained = log.trained_ids()
         self.buffer.rejected = await read_rejected_groups(self.bus, self.run_id)
         for step in sorted(log.steps)[-self.s.reward_window :]:
-            self.rewards.append(log.steps[step][0].metrics.get("reward_mean", 0.0))
+            self.rewards.append(log.steps[step].metrics.get("reward_mean", 0.0))
         replayer = Replayer(self.core, self.payloads, log)
         start: int | None = None
         for path in list_checkpoints(self.ckpt_dir):
@@ -125,12 +135,7 @@ class Trainer:
             self.core = TrainCore(self.part)  # a refused checkpoint may have been half loaded
             replayer = Replayer(self.core, self.payloads, log)
             await replayer.start_at(0)
-        needed = {
-            rid
-            for step, (body, _) in log.steps.items()
-            if step >= replayer.version
-            for rid in body.rollout_ids
-        }
+        needed = {rid for step, s in log.steps.items() if step >= replayer.version for rid in s.rollout_ids}
         t0 = time.perf_counter()
         rollouts, self.withheld_ids = await read_rollouts(
             self.bus, self.run_id, needed, trained_seqs(log, replayer.version)
@@ -166,14 +171,18 @@ class Trainer:
         assert self.weights_store is not None
         v = self.version
         # Serialising and hashing every weight is CPU work: off the event loop, like training.
-        data, digest = await asyncio.to_thread(
+        # One pass: each tensor copied into the buffer the store sends from, hashed into the
+        # checksum and the transfer digest on the way (policy/weights.py).
+        exported = await asyncio.to_thread(
             self.core.engine.export_weights, {"version": str(v), "run": self.run_id}
         )
+        digest = exported.checksum
         # Version 0 is where a recovery without a checkpoint starts: where it outlives the trainer.
         store = self.weights_store
         if v == 0 and store.held_by_writer and self.payloads is not None:
             store = self.payloads.default
-        ref = await store.put(f"weights-v{v}", data)
+        # Readers check the bytes against the transfer digest: no SHA-256 pass of the store's.
+        ref = await store.put(f"weights-v{v}", exported.data, sha256=False)
         if not again:
             await self.bus.publish(
                 ev.new_event(
@@ -191,6 +200,7 @@ class Trainer:
                     location=ref,
                     weights_checksum=digest,
                     format=WEIGHTS_FORMATS[self.s.weights_layout],
+                    blake3=exported.blake3,
                 ),
                 run_id=self.run_id,
                 event_id=ids.weights_event_id(self.run_id, v, again=ref.name if again else None),
@@ -235,11 +245,33 @@ class Trainer:
         return int(ack.seq)
 
     async def withhold(self, group: Group, reason: ev.WithheldReason, detail: str) -> None:
-        for d in group.deliveries:
-            await self.bus.publish(withheld_event(self.run_id, d, reason, detail, self.version))
-            await d.ack()
-        self.withheld_ids.update(d.body.rollout_id for d in group.deliveries)
+        """Withhold every member of ``group`` (one RolloutWithheld each), then ack what brought
+        them."""
+        await self.withhold_members(group.members, reason, detail)
         self.log.info("group_withheld", group_id=group.group_id, reason=reason, detail=detail)
+
+    async def withhold_members(self, members: list[Member], reason: ev.WithheldReason, detail: str) -> None:
+        pub = self.bus.publisher(max_inflight=256)
+        for m in members:
+            await pub.publish(
+                withheld_event(self.run_id, m.delivery, m.rollout, reason, detail, self.version)
+            )
+        await pub.flush()
+        acked: set[int] = set()
+        for m in members:
+            if id(m.delivery) not in acked:
+                acked.add(id(m.delivery))
+                await m.delivery.ack()
+        self.withheld_ids.update(m.rollout_id for m in members)
+
+    def view(self, m: Member) -> ScoredView:
+        task = m.delivery.body.task_id
+        owner = self._task_events.get(task)
+        if owner is None:  # a uuid5: computed once a group, not once a rollout and read
+            owner = self._task_events[task] = ids.task_event_id(self.run_id, task)
+            if len(self._task_events) > 100_000:
+                self._task_events.clear()
+        return m.view(owner)
 
     # ---------------------------------------------------------------- training
 
@@ -247,23 +279,22 @@ class Trainer:
         t0 = time.perf_counter()
         # Training order: groups by arrival, samples by index (recorded in StepCompleted).
         for g in groups:
-            g.deliveries.sort(key=lambda d: d.body.sample_index)
+            g.members.sort(key=lambda m: m.rollout.sample_index)
         assert self.payloads is not None
-        bodies = [d.body for g in groups for d in g.deliveries]
+        members = [m for g in groups for m in g.members]
         read = self.buffer.arrays_of(groups)
-        rollouts = await self.core.rollouts(bodies, self.payloads, read)
-        rewards = [b.reward for b in bodies]
-        stale = [self.version - b.policy_version_start for b in bodies]
+        rollouts = await self.core.rollouts([self.view(m) for m in members], self.payloads, read)
+        rewards = [m.rollout.reward for m in members]
+        stale = [self.version - m.rollout.policy_version_start for m in members]
         metrics = await asyncio.to_thread(self.core.train, rollouts)
         token_stats = await self.token_stats(self.version)
         step = self.version
         self.version += 1
         tokens = sum(len(r.completion_ids) for r in rollouts)
         parts: dict[str, list[float]] = {}
-        for g in groups:
-            for d in g.deliveries:
-                for k, v in d.body.reward_parts.items():
-                    parts.setdefault(k, []).append(v)
+        for m in members:
+            for k, v in m.rollout.reward_parts.items():
+                parts.setdefault(k, []).append(v)
         reward_mean = sum(rewards) / len(rewards)
         self.rewards.append(reward_mean)
         elapsed = time.monotonic() - self.started
@@ -276,12 +307,12 @@ class Trainer:
             trainer_idle_frac=self.wait_s / elapsed if elapsed > 0 else 0.0,
             withheld_total=float(len(self.withheld_ids)),
             groups=float(len(groups)),
-            groups_no_signal=share_without_signal([[d.body.reward for d in g.deliveries] for g in groups]),
+            groups_no_signal=share_without_signal([g.rewards() for g in groups]),
             **self.buffer.route_metrics(groups),
             **{f"reward_{k}": sum(v) / len(v) for k, v in parts.items()},
         )
-        rollout_ids = [d.body.rollout_id for g in groups for d in g.deliveries]
-        seqs = [d.seq for g in groups for d in g.deliveries]
+        rollout_ids = [m.rollout_id for m in members]
+        seqs = [m.seq for m in members]
         duration = time.perf_counter() - t0
         metrics["step_s"] = duration
         step_seq = await self.publish_step(
@@ -334,64 +365,66 @@ class Trainer:
 
     # ---------------------------------------------------------------- loop
 
-    async def admit(self, consumer: PullConsumer[ev.RolloutScored], d: ScoredDelivery) -> None:
+    async def admit(self, consumer: PullConsumer[ev.RolloutsScored], d: ScoredDelivery) -> None:
         b = d.body
-        if b.rollout_id in self.withheld_ids:
-            await d.ack()  # withheld before a crash: stays withheld
+        # An event's rollouts share their fate: trained in one step, or withheld together. One
+        # that mixes settled rollouts with new ones is no redelivery: it is refused.
+        settled = [r.rollout_id in self.withheld_ids or r.rollout_id in self.trained for r in b.rollouts]
+        if settled and all(settled):
+            await d.ack()  # redelivered after a crash: already trained or withheld, never twice
             return
-        if b.rollout_id in self.trained:
-            await d.ack()  # redelivered after a crash: already trained, never twice
+        if any(settled):
+            await self.reject(
+                consumer, d, "bad_ids", "rollouts already trained or withheld beside new ones in one event"
+            )
             return
         tenant = d.event.tenant
-        rejection = check_rollout(
+        rejection = check_rollouts(
             b, tenant, routes=self.routes, limits=self.limits, version=self.version, bucket=self.bucket
         )
         g = self.buffer.get(b.group_id)
         if rejection is None and g is not None:
-            rejection = check_member(g.deliveries[0].body, b)
+            rejection = check_member(g.members[0].delivery.body, b)
         if rejection is not None:
             await self.reject(consumer, d, *rejection)
             return
         if b.group_id in self.buffer.rejected:
-            await self.withhold_member(
-                d, "incomplete_group", f"group {b.group_id} has a dead-lettered member"
+            await self.withhold_members(
+                [Member(d, r) for r in b.rollouts],
+                "incomplete_group",
+                f"group {b.group_id} has a dead-lettered member",
             )
             return
         if not self.buffer.add(d):
-            await d.ack()  # the same rollout twice in the buffer (redelivery): keep one
+            await d.ack()  # the same rollouts twice in the buffer (redelivery): keep one
 
     async def reject(
-        self, consumer: PullConsumer[ev.RolloutScored], d: ScoredDelivery, reason: str, detail: str
+        self, consumer: PullConsumer[ev.RolloutsScored], d: ScoredDelivery, reason: str, detail: str
     ) -> None:
         """Dead-letter ``d`` (on its tenant's dead-letter subject); when the reason condemns its
         group, withhold the members held and those still to come."""
         b = d.body
-        await consumer.dead_letter(d, reason, f"rollout {b.rollout_id}: {detail}")
+        await consumer.dead_letter(d, reason, f"rollouts of group {b.group_id}: {detail}")
         self.log.warning(
-            "rollout_rejected",
+            "rollouts_rejected",
             tenant=d.event.tenant,
             env=b.env,
             group_id=b.group_id,
-            rollout_id=b.rollout_id,
+            rollout_ids=[r.rollout_id for r in b.rollouts][:16],
             reason=reason,
             detail=detail[:300],
         )
         if reason not in GROUP_REASONS:
             return
-        rest = [x for x in self.buffer.condemn(b.group_id) if x is not d]
+        rest = [m for m in self.buffer.condemn(b.group_id) if m.delivery is not d]
         if rest:
             await self.withhold(
                 Group(b.group_id, rest),
                 "incomplete_group",
-                f"member {b.rollout_id} was dead-lettered ({reason})",
+                f"a member of group {b.group_id} was dead-lettered ({reason})",
             )
 
-    async def withhold_member(self, d: ScoredDelivery, reason: ev.WithheldReason, detail: str) -> None:
-        await self.bus.publish(withheld_event(self.run_id, d, reason, detail, self.version))
-        await d.ack()
-        self.withheld_ids.add(d.body.rollout_id)
-
-    async def vet(self, consumer: PullConsumer[ev.RolloutScored], groups: list[Group]) -> bool:
+    async def vet(self, consumer: PullConsumer[ev.RolloutsScored], groups: list[Group]) -> bool:
         """Read and check the arrays of ``groups`` (each group once, kept for its step): a group
         whose arrays cannot be read or hold impossible values is rejected instead of failing
         the step. True when every group passed."""
@@ -399,49 +432,47 @@ class Trainer:
         todo = [g for g in groups if g.group_id not in self.buffer.vetted]
         with contextlib.suppress(*READ_ERRORS):  # read ahead; a failure is pinned on its rollout below
             await self.payloads.prefetch(
-                [
-                    a
-                    for g in todo
-                    for d in g.deliveries
-                    for a in (
-                        d.body.prompt_tokens,
-                        d.body.completion_tokens,
-                        d.body.logprobs,
-                        d.body.routing_trace,
-                    )
-                ]
+                [a for g in todo for m in g.members for a in array_refs(self.view(m))]
             )
         ok = True
         for g in todo:
             read: dict[str, RolloutArrays] = {}
-            for d in g.deliveries:
+            refused: tuple[Member, tuple[str, str]] | None = None
+            for m in g.members:
                 try:
-                    a = await self.core.read_arrays(d.body, self.payloads)
-                    rejection = check_read(a.prompt, a.completion, a.logprobs, a.mask, a.trace, self.limits)
+                    read[m.rollout_id] = await self.core.read_arrays(self.view(m), self.payloads)
                 except READ_ERRORS as exc:
-                    rejection = ("bad_arrays", f"arrays cannot be read: {exc}")
-                if rejection is not None:
-                    await self.reject(consumer, d, *rejection)
-                    ok = False
+                    refused = (m, ("bad_arrays", f"arrays cannot be read: {exc}"))
                     break
-                read[d.body.rollout_id] = a
-            else:
-                self.buffer.vetted[g.group_id] = read
+            if refused is None and _any_refused(read.values(), self.limits):
+                # One of them holds an impossible value: find which, to refuse its event.
+                for m in g.members:
+                    a = read[m.rollout_id]
+                    rejection = check_read(a.prompt, a.completion, a.logprobs, a.mask, a.trace, self.limits)
+                    if rejection is not None:
+                        refused = (m, rejection)
+                        break
+            if refused is not None:
+                m, (reason, detail) = refused
+                await self.reject(consumer, m.delivery, reason, f"rollout {m.rollout_id}: {detail}")
+                ok = False
+                continue
+            self.buffer.vetted[g.group_id] = read
         return ok
 
-    async def start(self) -> PullConsumer[ev.RolloutScored]:
+    async def start(self) -> PullConsumer[ev.RolloutsScored]:
         """Stores, recovery from the log, and the consumer of scored rollouts."""
         self.payloads = await Payloads.for_run(
-            self.bus.js, self.run_id, weights_dir=self.part.weights_dir, mooncake=self.part.mooncake
+            self.bus.js, self.run_id, weights_dir=self.part.weights_dir, bus=self.part.bus
         )
-        self.weights_store = self.payloads.store(self.part.weights_store)
+        self.weights_store = self.payloads.store(self.part.bus.weights_store)
         structlog.contextvars.bind_contextvars(run_id=self.run_id, worker_id="trainer")
         await self.recover()
-        consumer = await self.bus.consumer(rollout_consumer_spec(self.run_id, self.s), ev.RolloutScored)
+        consumer = await self.bus.consumer(rollout_consumer_spec(self.run_id, self.s), ev.RolloutsScored)
         self.started = self.last_step_end = time.monotonic()
         return consumer
 
-    async def train_ready(self, consumer: PullConsumer[ev.RolloutScored]) -> bool:
+    async def train_ready(self, consumer: PullConsumer[ev.RolloutsScored]) -> bool:
         """Withhold the stale ready groups, then take one step if ``batch_groups`` fresh groups
         are ready, filled by the envs' shares. Returns whether it stepped."""
         while True:
@@ -473,13 +504,16 @@ class Trainer:
         consumer = await self.start()
         last_beat = time.monotonic()
 
-        async def admit_all(got: Batch[ev.RolloutScored]) -> None:
+        async def admit_all(got: Batch[ev.RolloutsScored]) -> None:
             for d in got.deliveries:
                 await self.admit(consumer, d)
 
         async def train_when_ready() -> bool:
             nonlocal last_beat
-            await self.train_ready(consumer)
+            # Every batch that is ready, not one per fetch: a fetch waits for the next event,
+            # which may come only after the step that frees the producer's window.
+            while not self.done() and await self.train_ready(consumer):
+                pass
             if time.monotonic() - last_beat > self.s.ack_wait_s / 3:
                 for d in self.buffer.held():
                     with contextlib.suppress(Exception):
@@ -513,6 +547,33 @@ class Trainer:
         return 0
 
 
+def _any_refused(arrays: Iterable[RolloutArrays], limits: ModelLimits) -> bool:
+    """Whether :func:`check_read` refuses any of ``arrays``, checked all at once (arrays that
+    cannot be joined are looked at one by one)."""
+    try:
+        return check_read(*_joined(arrays), limits) is not None
+    except ValueError:
+        return True
+
+
+def _joined(
+    arrays: Iterable[RolloutArrays],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """A group's arrays end to end, for one check of them all: every check of
+    :func:`check_read` is element by element (or row by row), so it holds for each rollout
+    exactly when it holds for the whole."""
+    got = list(arrays)
+    masks = [a.mask for a in got if a.mask is not None]
+    traces = [a.trace for a in got if a.trace is not None]
+    return (
+        np.concatenate([a.prompt for a in got]),
+        np.concatenate([a.completion for a in got]),
+        np.concatenate([a.logprobs for a in got]),
+        np.concatenate(masks) if masks else None,
+        np.concatenate(traces) if traces else None,
+    )
+
+
 async def read_rejected_groups(bus: Bus, run_id: str) -> set[str]:
     """The groups of rollouts this trainer dead-lettered for a reason that condemns the group
     (from the run's dead letters), so that a restarted trainer withholds their other members
@@ -526,6 +587,6 @@ async def read_rejected_groups(bus: Bus, run_id: str) -> set[str]:
             original = ev.decode_event(b.original_data, b.original_headers)
         except ev.EventDecodeError:
             continue
-        if isinstance(original.body, ev.RolloutScored):
+        if isinstance(original.body, ev.RolloutsScored):
             out.add(original.body.group_id)
     return out

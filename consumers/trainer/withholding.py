@@ -22,7 +22,7 @@ from jetrl.bus.log import get_logger
 from jetrl.bus.streams import stream_name
 from jetrl.consumers.trainer.settings import TrainerSettings
 
-ScoredDelivery = Delivery[ev.RolloutScored]
+ScoredDelivery = Delivery[ev.RolloutsScored]
 
 
 def rollout_consumer_spec(run_id: str, settings: TrainerSettings) -> ConsumerSpec:
@@ -39,26 +39,31 @@ def rollout_consumer_spec(run_id: str, settings: TrainerSettings) -> ConsumerSpe
 
 
 def withheld_event(
-    run_id: str, d: ScoredDelivery, reason: ev.WithheldReason, detail: str, version: int
+    run_id: str,
+    d: ScoredDelivery,
+    r: ev.ScoredRollout,
+    reason: ev.WithheldReason,
+    detail: str,
+    version: int,
 ) -> ev.Event:
-    """RolloutWithheld for ``d`` at trainer version ``version``: its id derives from the
-    rollout's, so a rollout withheld twice (a retry, a restart) is stored once."""
+    """RolloutWithheld for rollout ``r`` of ``d`` at trainer version ``version``: its id derives
+    from the rollout's, so a rollout withheld twice (a retry, a restart) is stored once."""
     b = d.body
     return ev.new_event(
         ev.RolloutWithheld(
-            rollout_id=b.rollout_id,
+            rollout_id=r.rollout_id,
             group_id=b.group_id,
             env=b.env,
             reason=reason,
             trainer_step=version,
             policy_version=version,
-            staleness=version - b.policy_version_start,
+            staleness=version - r.policy_version_start,
             detail=detail,
         ),
         run_id=run_id,
         tenant=d.event.tenant,
         causation_id=d.event.event_id,
-        event_id=ids.withheld_event_id(run_id, b.rollout_id),
+        event_id=ids.withheld_event_id(run_id, r.rollout_id),
     )
 
 
@@ -72,7 +77,7 @@ async def close_out(bus: Bus, run_id: str, settings: TrainerSettings, *, idle_s:
             trained.update(item.event.body.rollout_ids)
             version = max(version, item.event.body.policy_version)
     spec = rollout_consumer_spec(run_id, settings)
-    consumer = await bus.consumer(spec, ev.RolloutScored)
+    consumer = await bus.consumer(spec, ev.RolloutsScored)
     log = get_logger(__name__, run_id=run_id)
     loop = asyncio.get_running_loop()
     # Past the ack wait every rollout a dead holder had is delivered again.
@@ -81,11 +86,15 @@ async def close_out(bus: Bus, run_id: str, settings: TrainerSettings, *, idle_s:
     try:
         while True:
             batch = await consumer.fetch(256, timeout=idle_s)
+            pub = bus.publisher(max_inflight=256)
             for d in batch:
-                if d.body.rollout_id not in trained:
-                    detail = f"the run finished at version {version} before it was trained"
-                    await bus.publish(withheld_event(run_id, d, "run_finished", detail, version))
-                    withheld += 1
+                for r in d.body.rollouts:
+                    if r.rollout_id not in trained:
+                        detail = f"the run finished at version {version} before it was trained"
+                        await pub.publish(withheld_event(run_id, d, r, "run_finished", detail, version))
+                        withheld += 1
+            await pub.flush()
+            for d in batch:
                 await d.ack()
             if batch:
                 continue

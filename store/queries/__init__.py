@@ -8,14 +8,7 @@ plain frozen dataclasses, so callers never depend on the schema's columns direct
 from __future__ import annotations
 
 from jetrl.store.queries.alerts import AlertRow, alert_counts, alerts
-from jetrl.store.queries.evaluations import (
-    EvaluationRow,
-    EvaluationSummary,
-    evaluation_summary,
-    evaluations,
-    latest_and_best,
-    summarize_evaluations,
-)
+from jetrl.store.queries.evaluations import EvaluationRow, evaluation_summary, evaluations
 from jetrl.store.queries.fleet import (
     DeadLetterRow,
     PolicyVersionRow,
@@ -29,6 +22,7 @@ from jetrl.store.queries.runs import RunSummary, list_runs, recorded_seq, run_su
 from jetrl.store.queries.scopes import ScopeStats, env_stats, scope_stats, tenant_stats
 from jetrl.store.queries.steps import StepRolloutRow, StepRow, step_history, step_rollouts
 from jetrl.store.queries.tenants import TenantSummary, tenant_summaries, tenant_summary
+from jetrl.store.readmodel.evaluations import EvaluationSummary, summarize_evaluations
 
 __all__ = [
     "AlertRow",
@@ -48,7 +42,6 @@ __all__ = [
     "env_stats",
     "evaluation_summary",
     "evaluations",
-    "latest_and_best",
     "latest_policy_version",
     "list_runs",
     "policy_versions",

@@ -129,7 +129,7 @@ class StepRolloutRow:
 
 def step_rollouts(src: Source, run_id: str, step: int) -> list[StepRolloutRow]:
     """The rollouts a step trained on, in training order (StepCompleted.rollout_ids), with the
-    log sequence of each RolloutScored: what a replay of the step reads back."""
+    log sequence of each RolloutsScored: what a replay of the step reads back."""
     q = (
         sa.select(
             SR.c.position,

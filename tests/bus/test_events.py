@@ -79,7 +79,7 @@ def test_every_type_has_a_subject_under_its_run(body: ev.EventBody) -> None:
     e = ev.new_event(body, run_id="r1", tenant="acme")
     s = subjects.subject_for(e)
     assert s.startswith("jetrl.r1.")
-    if isinstance(body, ev.TaskSubmitted | ev.GenerationCompleted | ev.RolloutScored | ev.RolloutWithheld):
+    if isinstance(body, ev.TaskSubmitted | ev.CompletionsGenerated | ev.RolloutsScored | ev.RolloutWithheld):
         assert subjects.tenant_of(s) == "acme"
         assert s.endswith(f".acme.{body.env}")
 
@@ -130,3 +130,46 @@ def test_an_event_is_a_fact_only_on_its_own_subject() -> None:
     assert subjects.subject_for(dl) == f"jetrl.{run}.dlq.acme.malformed"
     assert spoofed(run, subjects.subject_for(dl), dl) is None
     assert spoofed(run, f"jetrl.{run}.dlq.malformed", dl) is None  # a log from before the tenant token
+
+
+def test_foreign_id_looks_into_every_sample_and_every_rollout() -> None:
+    """A sample's generation id and a rollout's id are entity ids too: one of another tenant
+    (or another environment) in an otherwise good event makes the whole event foreign, wherever
+    it sits in the list."""
+    import msgspec.structs as structs
+
+    from jetrl.bus import ids
+    from jetrl.bus.facts import foreign_id, spoofed
+
+    run = "r1"
+    gen = next(b for b in sample_bodies() if isinstance(b, ev.CompletionsGenerated))
+    scored = next(b for b in sample_bodies() if isinstance(b, ev.RolloutsScored))
+    assert len(gen.samples) >= 2 and len(scored.rollouts) >= 2
+
+    def event(body: ev.EventBody) -> ev.Event:
+        return ev.new_event(body, run_id=run, tenant="acme")
+
+    assert foreign_id(event(gen)) is None and foreign_id(event(scored)) is None
+    assert spoofed(run, subjects.subject_for(event(gen)), event(gen)) is None
+    for last in (False, True):
+        at = len(gen.samples) - 1 if last else 0
+        for other in (ids.generation_id("reverse.globex.1", at), ids.generation_id("math.acme.1", at)):
+            samples = list(gen.samples)
+            samples[at] = structs.replace(samples[at], generation_id=other)
+            e = event(structs.replace(gen, samples=samples))
+            why = foreign_id(e)
+            assert why is not None and "generation_id" in why and repr(other) in why
+            assert spoofed(run, subjects.subject_for(e), e) == why
+        for other in (ids.rollout_id("reverse.globex.1", at), ids.rollout_id("math.acme.1", at)):
+            rollouts = list(scored.rollouts)
+            rollouts[at] = structs.replace(rollouts[at], rollout_id=other)
+            e = event(structs.replace(scored, rollouts=rollouts))
+            why = foreign_id(e)
+            assert why is not None and "rollout_id" in why and repr(other) in why
+            assert spoofed(run, subjects.subject_for(e), e) == why
+    # The event's own ids still count: a good group under another tenant's group id.
+    e = event(structs.replace(scored, group_id="reverse.globex.1"))
+    assert "group_id" in (foreign_id(e) or "")
+    # The same bodies are the other tenant's facts when that tenant publishes them.
+    theirs = ev.new_event(gen, run_id=run, tenant="globex")
+    assert "task_id" in (foreign_id(theirs) or "")

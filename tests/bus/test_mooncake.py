@@ -24,7 +24,7 @@ from jetrl.bus.server import EmbeddedServer
 from jetrl.bus.settings import MooncakeSettings
 from jetrl.deploy.config import load_config
 from jetrl.deploy.supervisor import Supervisor
-from tests.support.runlog import bodies, read_log
+from tests.support.runlog import bodies, read_log, samples
 
 pytest.importorskip("mooncake.engine")
 
@@ -33,13 +33,16 @@ pytest.importorskip("mooncake.engine")
 #   buffer NAME SIZE SEED -> the same, from a bytearray (the store keeps a copy)
 #   again NAME            -> the last bytes put again, under another name
 #   array NAME            -> the reference of a uint16 array (a routing trace)
+#   weights NAME MB SEED  -> a trainer's export of MB of weights: [reference, BLAKE3 digest]
+#   flip OFFSET           -> one bit of the last weights flipped where the writer holds them
 #   held                  -> [objects, bytes]
 WRITER = r"""
 import asyncio, json, sys
-import msgspec, numpy as np
+import msgspec, numpy as np, torch
 from jetrl.bus.mooncake import MooncakePayloads
 from jetrl.bus.payloads import Payloads
 from jetrl.bus.settings import MooncakeSettings
+from jetrl.policy.weights import export_weights
 
 async def main():
     store = MooncakePayloads(MooncakeSettings.model_validate_json(sys.argv[1]))
@@ -54,6 +57,15 @@ async def main():
             out = msgspec.json.encode(await store.put(args[0], data)).decode()
         elif cmd == "again":
             out = msgspec.json.encode(await store.put(args[0], last)).decode()
+        elif cmd == "weights":
+            g = torch.Generator().manual_seed(int(args[2]))
+            tensors = {f"w{i}": torch.randn(250_000, generator=g) for i in range(int(args[1]))}
+            exported = export_weights(tensors, {"version": args[0]})
+            ref = await store.put(args[0], exported.data, sha256=False)
+            out = json.dumps([msgspec.to_builtins(ref), exported.blake3])
+        elif cmd == "flip":
+            np.asarray(exported.data.obj)[int(args[0])] ^= 1
+            out = "{}"
         elif cmd == "array":
             trace = np.arange(300_000, dtype=np.uint16).reshape(1000, 30, 10)
             out = msgspec.json.encode(await pay.put_array(args[0], trace)).decode()
@@ -160,6 +172,30 @@ async def test_evicted_objects_are_missing_and_the_writer_stays_bounded(writer: 
         await pay.get_bytes(bogus)
 
 
+async def test_weights_are_checked_as_they_land_and_a_corrupt_piece_is_refused(writer: Writer) -> None:
+    """A trainer's exported weights, served where they lie (no copy, no SHA-256 pass), pulled
+    into the reader's buffer a piece at a time and checked against their transfer digest: one
+    bit flipped where the writer holds them, in the first piece or a later one, is refused."""
+    pay = reader()
+    ref_b, b3 = json.loads(writer.ask("weights weights-v1 40 3"))  # 40 MB: several pieces
+    ref = msgspec.convert(ref_b, ev.PayloadRef)
+    assert ref.sha256 == "" and ref.size > 40_000_000
+    ready = ev.WeightsReady(version=1, location=ref, weights_checksum="c" * 64, blake3=b3)
+    into = np.zeros(ref.size, dtype=np.uint8).data
+    got = await pay.get_weights(ready, into=lambda n: into)
+    from jetrl.policy.weights import tensors_of, transfer_digest
+
+    assert transfer_digest(got) == b3 and len(tensors_of(got)[0]) == 40
+    for offset in (ref.size - 3, 100, 33_000_000):  # the last piece, the header, a middle piece
+        writer.ask(f"flip {offset}")
+        with pytest.raises(PayloadIntegrityError, match="BLAKE3"):
+            await pay.get_weights(ready)
+        writer.ask(f"flip {offset}")  # back as it was
+    assert bytes(await pay.get_weights(ready)) == bytes(got)
+    with pytest.raises(PayloadIntegrityError, match="does not match the announced"):
+        await pay.get_weights(msgspec.structs.replace(ready, blake3="0" * 64))
+
+
 async def test_a_dead_writer_is_a_clear_error_in_bounded_time() -> None:
     w = Writer(MooncakeSettings())
     ref = w.blob("weights-v3", 200_000)
@@ -191,7 +227,7 @@ async def test_a_run_with_weights_and_traces_in_mooncake(nats_server: EmbeddedSe
     # The initial weights, where recovery without a checkpoint starts, outlive the trainer.
     assert ready[0] == "objstore" and set(range(1, steps + 1)) <= ready.keys()
     assert all(ready[v] == "mooncake" for v in range(1, steps + 1))
-    traces = [g.routing_trace for g in bodies(log, ev.GenerationCompleted)]
+    traces = [s.routing_trace for _, s in samples(log)]
     assert traces and all(t is not None for t in traces)
     # The tiny model's traces are below the inline threshold (they ride in the event); a
     # larger one is a mooncake reference held by its worker.

@@ -46,7 +46,8 @@ async def _served_by(bus: Bus, run_id: str, hints: list[str]) -> tuple[Counter[s
     seen: set[str] = set()
     async for item in bus.tail(run_id, filter_subject=subjects.generation_subject(run_id), idle_timeout=30):
         done = item.event.body if item.event else None
-        if isinstance(done, ev.GenerationCompleted) and done.task_id not in seen:
+        if isinstance(done, ev.CompletionsGenerated) and done.task_id not in seen:
+            assert [s.sample_index for s in done.samples] == [0]  # the later turn's one sample
             seen.add(done.task_id)
             served[done.worker_id] += 1
             if len(seen) == len(hints):

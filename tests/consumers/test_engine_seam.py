@@ -50,11 +50,13 @@ async def test_a_run_goes_through_an_engine_named_in_the_config(
     finally:
         await bus.close()
     tok = CharTokenizer()
-    gens = [e.body for e in log if isinstance(e.body, ev.GenerationCompleted)]
+    gens = [e.body for e in log if isinstance(e.body, ev.CompletionsGenerated)]
     tasks = {e.body.task_id: e.body for e in log if isinstance(e.body, ev.TaskSubmitted)}
     assert gens
-    for g in gens:
-        c = g.completion_tokens
+    # Every task's whole group in one event, each sample once.
+    assert all(sorted(s.sample_index for s in g.samples) == list(range(4)) for g in gens)
+    for g, smp in ((gen, s) for gen in gens for s in gen.samples):
+        c = smp.completion_tokens
         assert isinstance(c, ev.InlineArray)  # two tokens: carried in the event
         a, b = tok.decode(tasks[g.task_id].prompt_tokens).removesuffix("=").split("+")
         completion = array_from_bytes(c.dtype, c.shape, c.data).tolist()

@@ -64,6 +64,7 @@ async def outcomes(
     """Publish ``tasks`` (tenant, body), then run one worker until each was either generated or
     dead-lettered: the task ids generated, and the dead-lettered ones' (reason, subject)."""
     by_event: dict[str, str] = {}
+    bodies = {body.task_id: body for _, body in tasks}
     pub = bus.publisher()
     for tenant, body in tasks:
         e = ev.new_event(body, run_id=run_id, tenant=tenant)
@@ -79,7 +80,18 @@ async def outcomes(
     try:
         async for item in bus.tail(run_id, idle_timeout=30):
             b = item.event.body if item.event else None
-            if isinstance(b, ev.GenerationCompleted):
+            if isinstance(b, ev.CompletionsGenerated):
+                # One event per task: all its samples, its prompt referred to in the task.
+                asked = bodies[b.task_id]
+                assert sorted(s.sample_index for s in b.samples) == list(range(asked.group_size))
+                ref = b.prompt_tokens
+                assert isinstance(ref, ev.LogArray)
+                assert (ref.field, ref.dtype, ref.shape) == (
+                    "prompt_tokens",
+                    "int32",
+                    (len(asked.prompt_tokens),),
+                )
+                assert b.task_id not in generated, "a task generated twice"
                 generated.add(b.task_id)
             elif isinstance(b, ev.DeadLettered) and b.original_event_id in by_event:
                 dead[by_event[b.original_event_id]] = (b.reason, item.subject)

@@ -68,7 +68,7 @@ async def served_order(bus: Bus, run_id: str, part: InferencePart, total: int) -
             run_id, filter_subject=subjects.generation_subject(run_id), idle_timeout=30
         ):
             g = item.event.body if item.event else None
-            if isinstance(g, ev.GenerationCompleted) and g.task_id not in seen:
+            if isinstance(g, ev.CompletionsGenerated) and g.task_id not in seen:
                 seen.add(g.task_id)
                 assert item.event is not None
                 order.append(item.event.tenant)

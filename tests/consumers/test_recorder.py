@@ -29,7 +29,7 @@ def store(db_url: str) -> Iterator[Store]:
 
 
 async def test_recorder_projects_a_synthetic_run_exactly(bus: Bus, run_id: str, store: Store) -> None:
-    run = synthetic_run(run_id, steps=20, seed=21)
+    run = synthetic_run(run_id, steps=75, seed=21)
     assert len(run) > 3000
     await publish_events(bus, run.events)
     rec = Recorder(bus, store, run_id, batch=400)
@@ -55,7 +55,8 @@ async def test_recorder_projects_a_synthetic_run_exactly(bus: Bus, run_id: str, 
 
 
 async def test_lag_counts_what_is_not_recorded_yet(bus: Bus, run_id: str, store: Store) -> None:
-    run = synthetic_run(run_id, steps=2, seed=22)
+    run = synthetic_run(run_id, steps=5, seed=22)
+    assert len(run) > 100
     await publish_events(bus, run.events[:100])
     rec = Recorder(bus, store, run_id, batch=30)
     try:
@@ -113,7 +114,8 @@ async def test_malformed_and_spoofed_events_are_dead_lettered_and_recorded(
 
 
 async def test_replay_equals_live_recording(bus: Bus, run_id: str, store: Store) -> None:
-    run = synthetic_run(run_id, steps=4, seed=24)
+    run = synthetic_run(run_id, steps=6, seed=24)
+    assert len(run) > 200
     await publish_events(bus, run.events[:200])
     await bus.js.publish(subjects.policy_subject(run_id), b"garbage")
     await publish_events(bus, run.events[200:])

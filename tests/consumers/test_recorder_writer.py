@@ -64,8 +64,9 @@ async def test_a_writer_process_records_what_the_recorder_records_itself(
 async def test_a_tracking_row_behind_the_commits_stops_the_recorder(
     bus: Bus, run_id: str, store: Store, kind: WriterKind
 ) -> None:
-    run = synthetic_run(run_id, steps=8, seed=42)
+    run = synthetic_run(run_id, steps=12, seed=42)
     third = len(run.events) // 3
+    assert third > 150
     await publish_events(bus, run.events[:third])
     rec = Recorder(bus, store, run_id, batch=100, writer=kind, fetch_timeout=0.1)
     try:

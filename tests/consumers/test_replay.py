@@ -12,15 +12,22 @@ import numpy as np
 import pytest
 
 from jetrl.bus import events as ev
+from jetrl.bus import ids
 from jetrl.bus.client import Bus
 from jetrl.bus.payloads import Payloads, inline_array
 from jetrl.bus.server import EmbeddedServer
 from jetrl.consumers.trainer.core import TrainCore
-from jetrl.consumers.trainer.replay import Replayer, divergence_hints, read_rollouts, read_run_log
+from jetrl.consumers.trainer.replay import (
+    Replayer,
+    ReplayError,
+    divergence_hints,
+    read_rollouts,
+    read_run_log,
+)
 from jetrl.deploy.config import RunConfig, load_config
 from jetrl.deploy.replay_cmd import replay
 from jetrl.deploy.supervisor import Supervisor
-from tests.support.runlog import read_log
+from tests.support.runlog import read_log, scored_rollouts
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +83,7 @@ async def test_replay_verifies_every_step_and_names_a_divergence(
     core = TrainCore(part.model_copy(update={"trainer": changed}))
     replayer = Replayer(core, await Payloads.for_run(bus.js, run_id), log)
     await replayer.start_at(0)
-    rollouts, _ = await read_rollouts(bus, run_id, set(log.steps[0][0].rollout_ids))
+    rollouts, _ = await read_rollouts(bus, run_id, set(log.steps[0].rollout_ids))
     checks = await replayer.run(rollouts, to_step=0)
     assert len(checks) == 1 and not checks[0].ok
     assert any("trainer.lr" in h for h in divergence_hints(log, changed, {}))
@@ -109,8 +116,8 @@ async def test_trainer_killed_mid_run_recovers_by_replay(nats_server: EmbeddedSe
     assert sorted(s.step for s in step_events) == list(range(steps))
     trained = Counter(rid for s in step_events for rid in s.rollout_ids)
     assert all(n == 1 for n in trained.values()), "a rollout was trained twice"
-    scored = Counter(e.body.rollout_id for e in log if isinstance(e.body, ev.RolloutScored))
-    assert set(trained) <= set(scored) and all(n == 1 for n in scored.values())
+    scored = Counter(r.rollout_id for _, r in scored_rollouts(log))
+    assert set(trained) <= set(scored) and all(n == 1 for n in scored.values()), "a rollout was scored twice"
     withheld = {e.body.rollout_id for e in log if isinstance(e.body, ev.RolloutWithheld)}
     assert not withheld & set(trained)
     versions = [e.body.version for e in log if isinstance(e.body, ev.PolicyVersionPublished)]
@@ -127,34 +134,51 @@ async def test_trainer_killed_mid_run_recovers_by_replay(nats_server: EmbeddedSe
 
 async def test_a_rollout_is_read_at_the_sequence_its_step_recorded(bus: Bus, run_id: str) -> None:
     """A rollout id is only a name: a hostile event published first under it (and refused by
-    the trainer) must not be what a restarted trainer reads back as that rollout."""
+    the trainer) must not be what a restarted trainer reads back as that rollout, nor the
+    group mate it came with."""
 
-    def rollout(reward: float, sample_index: int) -> ev.Event:
+    def group(rewards: dict[int, float], sample_index: dict[int, int] | None = None) -> ev.Event:
+        """A RolloutsScored of group math.acme.0: rollout ``-i`` with reward ``rewards[i]``,
+        under sample index ``sample_index[i]`` (``i`` by default)."""
         arr = inline_array(np.arange(3, dtype=np.int32))
         return ev.new_event(
-            ev.RolloutScored(
-                rollout_id="math.acme.0-0",
+            ev.RolloutsScored(
                 generation_event_id="g",
                 task_id="math.acme.0",
                 env="math",
                 group_id="math.acme.0",
-                sample_index=sample_index,
                 group_size=2,
-                reward=reward,
                 prompt_tokens=arr,
-                completion_tokens=arr,
-                logprobs=inline_array(np.zeros(3, np.float32)),
-                policy_version_start=0,
-                policy_version_end=0,
+                rollouts=[
+                    ev.ScoredRollout(
+                        rollout_id=f"math.acme.0-{i}",
+                        sample_index=(sample_index or {}).get(i, i),
+                        reward=reward,
+                        completion_tokens=arr,
+                        logprobs=inline_array(np.zeros(3, np.float32)),
+                        policy_version_start=0,
+                        policy_version_end=0,
+                    )
+                    for i, reward in rewards.items()
+                ],
             ),
             run_id=run_id,
             tenant="acme",
         )
 
-    await bus.publish(rollout(7.0, 1))  # the squatter, first in the log
-    real = (await bus.publish(rollout(1.0, 0))).seq
-    ids = {"math.acme.0-0"}
-    first, _ = await read_rollouts(bus, run_id, ids)
-    recorded, _ = await read_rollouts(bus, run_id, ids, {"math.acme.0-0": real})
-    assert first["math.acme.0-0"].reward == 7.0  # what "the first of each id" would replay
-    assert recorded["math.acme.0-0"].reward == 1.0 and recorded["math.acme.0-0"].sample_index == 0
+    await bus.publish(group({0: 7.0, 1: 8.0}, {0: 1, 1: 0}))  # the squatter, first in the log
+    real = (await bus.publish(group({1: 2.0, 0: 1.0}))).seq
+    wanted = {"math.acme.0-0", "math.acme.0-1"}
+    first, _ = await read_rollouts(bus, run_id, wanted)
+    recorded, _ = await read_rollouts(bus, run_id, wanted, dict.fromkeys(wanted, real))
+    # What "the first of each id" would replay.
+    assert (first["math.acme.0-0"].reward, first["math.acme.0-1"].reward) == (7.0, 8.0)
+    assert {v.rollout.sample_index for v in first.values()} == {0, 1}
+    for i, reward in ((0, 1.0), (1, 2.0)):
+        view = recorded[f"math.acme.0-{i}"]
+        assert (view.reward, view.rollout.sample_index, view.group_id) == (reward, i, "math.acme.0")
+        assert view.rollout_id == f"math.acme.0-{i}" and view.prompt_owner == ids.task_event_id(
+            run_id, "math.acme.0"
+        )
+    with pytest.raises(ReplayError, match="not in the log"):
+        await read_rollouts(bus, run_id, {"math.acme.0-2"})

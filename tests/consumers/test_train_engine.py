@@ -14,7 +14,7 @@ from jetrl.consumers.trainer.settings import TrainerPart, TrainerSettings
 from jetrl.policy.sampling import SamplingConfig, generate, inference_copy
 from jetrl.policy.settings import ModelSettings
 from jetrl.policy.train import Rollout
-from jetrl.policy.weights import weights_from_bytes
+from jetrl.policy.weights import transfer_digest, weights_from_bytes
 
 PART = TrainerPart(trainer=TrainerSettings(lr=1e-2), model=ModelSettings(name="tiny-moe"), seed=3)
 
@@ -53,9 +53,9 @@ def test_engine_logprobs_replay_what_inference_sampled_and_a_step_moves_the_weig
         assert torch.equal(s[:, 0], lp) and not bool(s[:, 1].any())
     assert metrics["num_tokens"] > 0 and engine.checksum() != before
     # Published weights carry the engine's checksum, and load back as they were.
-    data, digest = engine.export_weights({"version": "1"})
+    data, digest, blake3 = engine.export_weights({"version": "1"})
     tensors, stored = weights_from_bytes(data, expected_checksum=engine.checksum())
-    assert digest == stored == engine.checksum()
+    assert digest == stored == engine.checksum() and blake3 == transfer_digest(data)
     other = make_train_engine(PART)
     other.load_weights(tensors)
     assert other.checksum() == engine.checksum()

@@ -75,24 +75,30 @@ def test_unequal_shares() -> None:
 # ------------------------------------------------------------------------ a trainer on a real server
 
 
-def rollout(run_id: str, tenant: str, env: str, n: int, i: int) -> ev.Event:
+def scored(run_id: str, tenant: str, env: str, n: int, indexes: tuple[int, ...] = (0, 1)) -> ev.Event:
+    """Rollouts ``indexes`` of the tenant's group ``n`` (of 2) in one RolloutsScored."""
     group = f"{env}.{tenant}.{n}"
-    prompt, completion = [1, 2, 3], [4 + i, 5]
-    body = ev.RolloutScored(
-        rollout_id=f"{group}-{i}",
-        generation_event_id=f"gen-{group}-{i}",
+    prompt = [1, 2, 3]
+    body = ev.RolloutsScored(
+        generation_event_id=f"gen-{group}-{indexes}",
         task_id=group,
         env=env,
         group_id=group,
-        sample_index=i,
         group_size=2,
-        reward=float(i),
         prompt_tokens=inline_array(np.asarray(prompt, np.int32)),
-        completion_tokens=inline_array(np.asarray(completion, np.int32)),
-        logprobs=inline_array(np.full(len(completion), -0.5, np.float32)),
-        routing_trace=inline_array(np.broadcast_to(np.asarray([0, 1], np.uint8), (4, 2, 2)).copy()),
-        policy_version_start=0,
-        policy_version_end=0,
+        rollouts=[
+            ev.ScoredRollout(
+                rollout_id=f"{group}-{i}",
+                sample_index=i,
+                reward=float(i),
+                completion_tokens=inline_array(np.asarray([4 + i, 5], np.int32)),
+                logprobs=inline_array(np.full(2, -0.5, np.float32)),
+                routing_trace=inline_array(np.broadcast_to(np.asarray([0, 1], np.uint8), (4, 2, 2)).copy()),
+                policy_version_start=0,
+                policy_version_end=0,
+            )
+            for i in indexes
+        ],
     )
     return ev.new_event(body, run_id=run_id, tenant=tenant)
 
@@ -100,14 +106,14 @@ def rollout(run_id: str, tenant: str, env: str, n: int, i: int) -> ev.Event:
 async def test_a_trainer_fills_batches_by_share_and_never_waits_for_a_slow_tenant(
     bus: Bus, run_id: str, tmp_path: Path
 ) -> None:
-    # acme floods (6 groups first), globex has 2: the first batch of 4 is 2 and 2; the second
-    # is acme's alone, since globex has nothing ready.
+    # acme floods (6 groups first, each in one event), globex has 2 (each in two events, as an
+    # episode environment's rollouts come): the first batch of 4 is 2 and 2; the second is
+    # acme's alone, since globex has nothing ready. Batches count groups, not events.
     for n in range(6):
-        for i in range(2):
-            await bus.publish(rollout(run_id, "acme", "math", n, i))
+        await bus.publish(scored(run_id, "acme", "math", n))
     for n in range(2):
-        for i in range(2):
-            await bus.publish(rollout(run_id, "globex", "code", n, i))
+        for i in (1, 0):
+            await bus.publish(scored(run_id, "globex", "code", n, (i,)))
     part = TrainerPart(
         trainer=TrainerSettings(batch_groups=4, max_steps=10, checkpoint_every=0),
         envs=[
@@ -124,9 +130,11 @@ async def test_a_trainer_fills_batches_by_share_and_never_waits_for_a_slow_tenan
         for d in got:
             await trainer.admit(consumer, d)
         held += len(got)
-        if held >= 16:
+        if held >= 10:
             break
-    assert held == 16
+    assert held == 10  # deliveries
+    assert sum(len(g.members) for g in trainer.buffer.groups.values()) == 16  # rollouts
+    assert len(trainer.buffer.ready()) == 8  # groups
 
     assert await trainer.train_ready(consumer)
     assert await trainer.train_ready(consumer)
@@ -146,6 +154,13 @@ async def test_a_trainer_fills_batches_by_share_and_never_waits_for_a_slow_tenan
         "math.acme.1",
         "code.globex.0",
         "code.globex.1",
+    ]
+    # Samples by index, whatever order their events came in.
+    assert steps[0].rollout_ids[4:] == [
+        "code.globex.0-0",
+        "code.globex.0-1",
+        "code.globex.1-0",
+        "code.globex.1-1",
     ]
     assert steps[0].metrics["groups.acme.math"] == 2 and steps[0].metrics["groups.globex.code"] == 2
     assert steps[0].metrics["groups_no_signal"] == 0.0  # each group's rewards are 0 and 1

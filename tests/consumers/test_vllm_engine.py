@@ -7,12 +7,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
 from jetrl.bus import events as ev
 from jetrl.bus.client import Bus
-from jetrl.bus.payloads import Payloads
+from jetrl.bus.payloads import FilePayloads, PayloadIntegrityError, Payloads
 from jetrl.consumers.inference.engine import GroupRequest, Sample
 from jetrl.consumers.inference.settings import InferencePart, InferenceSettings, VLLMSettings
 from jetrl.consumers.inference.vllm_engine import VLLMEngine, vllm_available
@@ -21,7 +22,7 @@ from jetrl.policy.hf import read_config
 from jetrl.policy.hf_tokenizer import HFTokenizer
 from jetrl.policy.origin import initial_model
 from jetrl.policy.settings import ModelSettings
-from jetrl.policy.weights import ChecksumMismatch, weights_to_bytes
+from jetrl.policy.weights import ChecksumMismatch, export_weights, weights_to_bytes
 from tests.support.forwards import logprob_gap
 from tests.support.processes import vllm_processes
 
@@ -128,31 +129,56 @@ async def test_routing_traces_equal_jetrls_router_on_the_same_tokens(engine: VLL
 
 # Last: it changes the server's weights.
 async def test_weights_update_in_place_and_match_the_new_version(
-    engine: VLLMEngine, ckpt: Path, bus: Bus, run_id: str
+    engine: VLLMEngine, ckpt: Path, bus: Bus, run_id: str, tmp_path: Path
 ) -> None:
     cfg = read_config(ckpt)
     model = initial_model(ModelSettings(hf_path=str(ckpt)))
-    payloads = await Payloads.for_run(bus.js, run_id)
+    files = FilePayloads(tmp_path, "w")
+    payloads = Payloads((await Payloads.for_run(bus.js, run_id)).default, files)
+    shm_before = set(engine.shm_dir.glob("jetrl-weights-*"))
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
-    for version, layout in ((1, cfg), (2, None)):  # Hugging Face layout, then jetrl's
-        if version == 2:
-            with torch.no_grad():
-                model.lm_head.weight.mul_(1.5)
-        data, digest = weights_to_bytes(model, {"version": str(version)}, hf_config=layout)
-        ref = await payloads.default.put(f"weights-v{version}", data)
-        await engine.load_weights(
-            ev.WeightsReady(version=version, location=ref, weights_checksum=digest), payloads
-        )
+    # Hugging Face layout, then jetrl's, announced as before the transfer digest (the bytes'
+    # SHA-256 and the content checksum recomputed); then as the trainer announces them now:
+    # received into shared memory, checked against the digest as they land, loaded as views.
+    for version, layout in ((1, cfg), (2, None), (3, cfg), (4, None)):
+        with torch.no_grad():
+            model.lm_head.weight.mul_(1.25)
+        if version <= 2:
+            data, digest = weights_to_bytes(model, {"version": str(version)}, hf_config=layout)
+            ref = await payloads.default.put(f"weights-v{version}", data)
+            ready = ev.WeightsReady(version=version, location=ref, weights_checksum=digest)
+        else:
+            exported = export_weights(model, {"version": str(version)}, hf_config=layout)
+            ref = await files.put(f"weights-v{version}", exported.data, sha256=False)
+            ready = ev.WeightsReady(
+                version=version, location=ref, weights_checksum=exported.checksum, blake3=exported.blake3
+            )
+        await engine.load_weights(ready, payloads)
         assert engine.loaded_version == version
         prompts, out = await _generate(engine, ckpt)
         assert max(_max_logprob_gap(model, p, g) for p, g in zip(prompts, out, strict=True)) <= TOL
     # Weights whose checksum does not match are refused; the engine keeps what it had.
     data, _ = weights_to_bytes(model)
-    ref = await payloads.default.put("weights-v3", data)
+    ref = await payloads.default.put("weights-v5", data)
     with pytest.raises(ChecksumMismatch):
         await engine.load_weights(
-            ev.WeightsReady(version=3, location=ref, weights_checksum="0" * 64), payloads
+            ev.WeightsReady(version=5, location=ref, weights_checksum="0" * 64), payloads
         )
-    assert engine.loaded_version == 2
+    # So are bytes changed on their way (one bit, in the middle), and bytes of another version.
+    exported = export_weights(model, {"version": "6"}, hf_config=cfg)
+    ref = await files.put("weights-v6", exported.data, sha256=False)
+    ready = ev.WeightsReady(
+        version=6, location=ref, weights_checksum=exported.checksum, blake3=exported.blake3
+    )
+    bad = bytearray(exported.data)
+    bad[len(bad) // 2] ^= 0x10
+    (tmp_path / "w" / "weights-v6").write_bytes(bad)
+    with pytest.raises(PayloadIntegrityError, match="BLAKE3"):
+        await engine.load_weights(ready, payloads)
+    (tmp_path / "w" / "weights-v6").write_bytes(exported.data)
+    with pytest.raises(ChecksumMismatch):
+        await engine.load_weights(msgspec.structs.replace(ready, weights_checksum="1" * 64), payloads)
+    assert engine.loaded_version == 4
+    assert set(engine.shm_dir.glob("jetrl-weights-*")) == shm_before  # nothing left in memory

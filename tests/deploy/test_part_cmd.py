@@ -15,17 +15,18 @@ from jetrl.bus import events as ev
 from jetrl.bus import ids
 from jetrl.bus.client import Bus
 from jetrl.bus.server import EmbeddedServer
+from jetrl.consumers.trainer.engine import Nodes
 from jetrl.consumers.trainer.settings import TrainerSettings
 from jetrl.deploy.config import ConfigError, RunConfig
 from jetrl.deploy.part_cmd import commands, goal_reached, read_run, serve
-from jetrl.deploy.parts import Nodes, torchrun
+from jetrl.deploy.parts import trainer_command
 from jetrl.deploy.run_cmd import local_parts
 
 
 def test_a_trainer_over_two_nodes_numbers_its_ranks_by_node() -> None:
     trainer = TrainerSettings.model_validate({"parallelism": {"dp_shard": 4}})
     argv = [sys.executable, "-m", "jetrl.consumers.trainer", "--run", "r"]
-    got = torchrun(argv, trainer, Nodes(nnodes=2, node_rank=1, master="10.0.0.1:29500"))
+    got = trainer_command(argv, trainer, Nodes(nnodes=2, node_rank=1, master="10.0.0.1:29500"))
     head = got[: got.index("--max-restarts")]
     assert head[1:3] == ["-m", "torch.distributed.run"]
     flags = dict(zip(head[3::2], head[4::2], strict=True))
@@ -38,7 +39,7 @@ def test_a_trainer_over_two_nodes_numbers_its_ranks_by_node() -> None:
     }
     assert got[-4:] == ["--", "jetrl.consumers.trainer", "--run", "r"]
     # One machine: standalone, every rank local.
-    assert "--standalone" in torchrun(argv, trainer)
+    assert "--standalone" in trainer_command(argv, trainer)
 
 
 @pytest.mark.parametrize(
@@ -52,7 +53,7 @@ def test_a_trainer_over_two_nodes_numbers_its_ranks_by_node() -> None:
 def test_a_trainer_over_nodes_refuses_what_cannot_work(nodes: Nodes, why: str) -> None:
     trainer = TrainerSettings.model_validate({"parallelism": {"dp_shard": 4}})
     with pytest.raises(ConfigError, match=why):
-        torchrun(["python", "-m", "m"], trainer, nodes)
+        trainer_command(["python", "-m", "m"], trainer, nodes)
 
 
 def test_parts_option() -> None:

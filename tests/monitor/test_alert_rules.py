@@ -2,23 +2,23 @@
 
 from __future__ import annotations
 
-from jetrl.consumers.monitor import records as rec
 from jetrl.consumers.monitor.alerts import Alerts
 from jetrl.consumers.monitor.series import MonitorState
 from jetrl.consumers.monitor.settings import AlertSettings
+from jetrl.store import readmodel as rec
 
 
-def state_with(*rs: rec.Record) -> MonitorState:
+def state_with(*rs: rec.Fact) -> MonitorState:
     s = MonitorState("r")
     for r in rs:
         s.apply(r)
     return s
 
 
-def step(seq: int, t: float, n: int, reward: float = 0.5, **metrics: float) -> list[rec.Record]:
+def step(seq: int, t: float, n: int, reward: float = 0.5, **metrics: float) -> list[rec.Fact]:
     rid = f"r{n}"
     return [
-        rec.Scored(seq, t - 0.5, rid, "default", "math", reward, n, 4, f"g{n}"),
+        rec.Scored(seq, t - 0.5, "default", "math", f"g{n}", (rec.ScoredOne(rid, reward, n, 4),)),
         rec.Stepped(seq + 1, t, n, n + 1, 4, dict(metrics), (rid,)),
     ]
 
@@ -61,7 +61,7 @@ def test_worker_heartbeat_lost_and_stale_version() -> None:
 
 
 def test_dead_letters_mismatch_and_reward_collapse() -> None:
-    rs: list[rec.Record] = [rec.Started(1, 0.0, {})]
+    rs: list[rec.Fact] = [rec.Started(1, 0.0, {})]
     seq = 10
     for n in range(20):
         rs += step(seq, 10.0 + n, n, reward=1.0 if n < 10 else 0.2, mismatch_kl=0.2 if n == 19 else 0.001)

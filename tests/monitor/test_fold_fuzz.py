@@ -1,5 +1,6 @@
 """Whatever the log holds, the fold never fails: records with odd values (unknown ids, steps out
-of order, negative lengths, NaN and infinities, repeated positions) in any order, then the
+of order, negative lengths, NaN and infinities, repeated positions, generations and groups of
+no sample or of repeated ones) in any order, then the
 snapshot, the series and the alert rules, which must stay JSON-ready."""
 
 from __future__ import annotations
@@ -10,10 +11,10 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jetrl.consumers.monitor import records as rec
 from jetrl.consumers.monitor.alerts import Alerts
 from jetrl.consumers.monitor.series import MonitorState
 from jetrl.consumers.monitor.settings import AlertSettings
+from jetrl.store import readmodel as rec
 
 ids = st.sampled_from(["a", "b", "c", "r1", "g1", ""])
 small = st.integers(min_value=-3, max_value=6)
@@ -29,8 +30,25 @@ record = st.one_of(
     st.builds(rec.Resumed, seq, t, st.just({"trainer": {"max_steps": -1}})),
     st.builds(rec.Finished, seq, t, st.sampled_from(["completed", "failed"]), small),
     st.builds(rec.Tasked, seq, t, ids, ids, small),
-    st.builds(rec.Generated, seq, t, ids, ids, st.sampled_from(["stop", "length", "error"]), small, num, num),
-    st.builds(rec.Scored, seq, t, ids, ids, ids, num, small, small, ids),
+    st.builds(
+        rec.Generated,
+        seq,
+        t,
+        ids,
+        ids,
+        st.lists(st.tuples(ids, st.sampled_from(["stop", "length", "error", ""])), max_size=4).map(tuple),
+        num,
+        num,
+    ),
+    st.builds(
+        rec.Scored,
+        seq,
+        t,
+        ids,
+        ids,
+        ids,
+        st.lists(st.builds(rec.ScoredOne, ids, num, small, small), max_size=4).map(tuple),
+    ),
     st.builds(rec.Withheld, seq, t, ids, ids),
     st.builds(rec.Stepped, seq, t, small, small, small, metrics, st.lists(ids, max_size=4).map(tuple)),
     st.builds(rec.Dead, seq, t, ids, ids),
@@ -46,7 +64,7 @@ def _finite_json(x: object) -> object:
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(record, max_size=40), t)
-def test_the_fold_takes_any_records(records: list[rec.Record], now: float) -> None:
+def test_the_fold_takes_any_records(records: list[rec.Fact], now: float) -> None:
     state = MonitorState("fuzz")
     alerts = Alerts(AlertSettings(reward_window=2))
     for r in sorted(records, key=lambda r: r.seq):

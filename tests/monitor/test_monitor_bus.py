@@ -11,18 +11,18 @@ import msgspec
 from jetrl.bus import events as ev
 from jetrl.bus import subjects
 from jetrl.bus.client import Bus
-from jetrl.consumers.monitor import records as rec
 from jetrl.consumers.monitor.reader import Start, follow
-from jetrl.consumers.monitor.series import MonitorState, StepPoint
+from jetrl.consumers.monitor.series import FOLDED, MonitorState, StepPoint
 from jetrl.consumers.monitor.service import Monitor
 from jetrl.consumers.monitor.settings import AlertSettings, MonitorSettings
+from jetrl.store import readmodel as rec
 from tests.support.synthetic import log_items, publish_events, synthetic_run
 
 
 def _fold(events: list[ev.Event], run_id: str, first_seq: int = 1) -> MonitorState:
     state = MonitorState(run_id)
     for item in log_items(events, first_seq):
-        r = rec.of_event(item.seq, item.event)
+        r = rec.fact_of(item.seq, item.subject, item.event)
         if r is not None:
             state.apply(r)
     return state
@@ -30,7 +30,12 @@ def _fold(events: list[ev.Event], run_id: str, first_seq: int = 1) -> MonitorSta
 
 def with_rollout_seqs(events: list[ev.Event]) -> list[ev.Event]:
     """The synthetic steps with the log positions of their rollouts, as the trainer records."""
-    seq_of = {e.body.rollout_id: i + 1 for i, e in enumerate(events) if isinstance(e.body, ev.RolloutScored)}
+    seq_of = {
+        r.rollout_id: i + 1
+        for i, e in enumerate(events)
+        if isinstance(e.body, ev.RolloutsScored)
+        for r in e.body.rollouts
+    }
     out = []
     for e in events:
         if isinstance(e.body, ev.StepCompleted):
@@ -72,7 +77,8 @@ async def test_follow_from_a_time(bus: Bus, run_id: str) -> None:
     await publish_events(bus, first.events[10:])
     state = MonitorState(run_id)
     await follow(bus, state, start=Start(time=cut), to_head=True)
-    assert state.events == sum(1 for e in first.events[10:] if rec.of_event(0, e) is not None)
+    folded = [rec.fact_of(0, subjects.subject_for(e), e) for e in first.events[10:]]
+    assert state.events == sum(1 for f in folded if isinstance(f, FOLDED))
 
 
 async def test_alerts_are_published_once_by_two_monitors(bus: Bus, run_id: str) -> None:

@@ -12,21 +12,21 @@ import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from jetrl.consumers.monitor import records as rec
 from jetrl.consumers.monitor.prometheus import Exporter, metric_name
 from jetrl.consumers.monitor.reader import QueueDepth
 from jetrl.consumers.monitor.series import MonitorState, StepPoint
 from jetrl.consumers.monitor.service import Monitor
+from jetrl.store import readmodel as rec
 from jetrl.store.db import Store, open_store
 
 RUN = "prom-run"
 
 
-def records() -> list[rec.Record]:
+def records() -> list[rec.Fact]:
     """Two steps over two envs and tenants, two workers, dead letters, a withheld rollout and
     an alert that fired on one key and resolved on another."""
     seq = iter(range(1, 1000))
-    out: list[rec.Record] = [rec.Started(next(seq), 100.0, {})]
+    out: list[rec.Fact] = [rec.Started(next(seq), 100.0, {})]
     for step in range(2):
         t = 100.0 + 10 * step
         out.append(rec.Tasked(next(seq), t, "run", "add", 4))
@@ -34,8 +34,13 @@ def records() -> list[rec.Record]:
         for i in range(3):
             env, tenant = ("add", "run") if i < 2 else ("mul", "acme")
             gen, rid = f"g{step}{i}", f"r{step}{i}"
-            out.append(rec.Generated(next(seq), t + 1, gen, "w0", "stop", 8, 0.0, 0.5))
-            out.append(rec.Scored(next(seq), t + 2, rid, tenant, env, 0.25 * (i + step), step, 8, gen))
+            out.append(
+                rec.Generated(
+                    next(seq), t + 1, gen, "w0", (rec.GeneratedSample(rid, 0, "stop", None),), 0.0, 0.5
+                )
+            )
+            one = rec.ScoredOne(rid, 0.25 * (i + step), step, 8)
+            out.append(rec.Scored(next(seq), t + 2, tenant, env, gen, (one,)))
             ids.append(rid)
         metrics = {"loss": 0.5 - 0.1 * step, "trainer_idle_frac": 0.2, "trainer_wait_s": 1.5}
         out.append(rec.Stepped(next(seq), t + 5, step, step + 1, 300, metrics, tuple(ids)))
@@ -45,7 +50,7 @@ def records() -> list[rec.Record]:
         rec.Dead(next(seq), 112.0, "run", "undecodable"),
         rec.Dead(next(seq), 113.0, "acme", "undecodable"),
         rec.Dead(next(seq), 114.0, "acme", "max_deliver"),
-        rec.Scored(next(seq), 114.5, "rx", "run", "add", 1.0, 0, 8, "gx"),
+        rec.Scored(next(seq), 114.5, "run", "add", "gx", (rec.ScoredOne("rx", 1.0, 0, 8),)),
         rec.Withheld(next(seq), 115.0, "rx", "too_stale"),
         rec.Tasked(next(seq), 115.5, "run", "add", 4),
         rec.Alerted(next(seq), 116.0, "heartbeat_lost", "w1", "firing", "warning", "w1 silent", 1),

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from jetrl.bus import events as ev
-from jetrl.consumers.monitor import records as rec
 from jetrl.consumers.monitor.reader import from_store
 from jetrl.consumers.monitor.series import MonitorState
+from jetrl.store import readmodel as rec
 from jetrl.store.db import Store, open_store
 from jetrl.store.projection import apply_batch
 from tests.support.synthetic import SyntheticRun, log_items, synthetic_run
@@ -21,7 +21,7 @@ from tests.support.synthetic import SyntheticRun, log_items, synthetic_run
 def fold(run: SyntheticRun, **kw: Any) -> MonitorState:
     state = MonitorState(run.run_id, **kw)
     for item in log_items(run.events):
-        r = rec.of_event(item.seq, item.event)
+        r = rec.fact_of(item.seq, item.subject, item.event)
         if r is not None:
             state.apply(r)
     return state
@@ -32,7 +32,9 @@ def test_series_match_what_the_log_encodes() -> None:
     state = fold(run)
     t = run.truth
     assert [p.step for p in state.steps] == sorted(t.steps)
-    bodies = {e.body.rollout_id: e for e in run.events if isinstance(e.body, ev.RolloutScored)}
+    scored = {
+        r.rollout_id: r for e in run.events if isinstance(e.body, ev.RolloutsScored) for r in e.body.rollouts
+    }
     for p in state.steps:
         ids = t.steps[p.step]["rollout_ids"]
         assert p.rollouts == len(ids)
@@ -46,8 +48,11 @@ def test_series_match_what_the_log_encodes() -> None:
             assert p.reward_by_tenant[tenant] == pytest.approx(statistics.fmean(mine))
         assert p.staleness_mean == pytest.approx(statistics.fmean(t.staleness[r] for r in ids))
         assert p.staleness_max == max(t.staleness[r] for r in ids)
-        lengths = [bodies[r].body.completion_tokens.shape[0] for r in ids]  # type: ignore[attr-defined]
+        lengths = [(scored[r].completion_tokens.shape or (-1,))[0] for r in ids]
         assert p.seq_len_mean == pytest.approx(statistics.fmean(lengths))
+        # Each trained rollout's own sample's finish reason (its generation holds the group's).
+        truncated = [t.samples[r][2] == "length" for r in ids]  # a first turn's rollout id is its sample's
+        assert p.truncated_frac == pytest.approx(statistics.fmean(truncated))
     last_step_at = max(i for i, e in enumerate(run.events) if isinstance(e.body, ev.StepCompleted))
     before_last = sum(1 for e in run.events[:last_step_at] if isinstance(e.body, ev.RolloutWithheld))
     assert sum(p.withheld for p in state.steps) == before_last > 0
@@ -62,7 +67,7 @@ def test_series_match_what_the_log_encodes() -> None:
     assert b.tokens_per_s == pytest.approx(b.tokens / (b.t - a.t))
 
 
-def _records(*rs: rec.Record) -> MonitorState:
+def _records(*rs: rec.Fact) -> MonitorState:
     state = MonitorState("hand")
     for r in rs:
         state.apply(r)
@@ -72,24 +77,42 @@ def _records(*rs: rec.Record) -> MonitorState:
 def test_truncation_weight_wait_queue_and_dead_letters() -> None:
     state = _records(
         rec.Started(1, 100.0, {}),
-        rec.Tasked(2, 101.0, "acme", "math", 3),
-        rec.Generated(3, 102.0, "g1", "inf-0", "length", 8, 1.0, 3.0),
-        rec.Generated(4, 102.5, "g2", "inf-0", "stop", 4, 0.0, 4.0),
-        rec.Scored(5, 103.0, "r1", "acme", "math", 1.0, 0, 8, "g1"),
-        rec.Scored(6, 103.5, "r2", "acme", "math", 0.0, 0, 4, "g2"),
-        rec.Dead(7, 104.0, "acme", "malformed"),
-        rec.Stepped(8, 110.0, 0, 1, 12, {"loss": 0.5, "mismatch_kl": 0.01}, ("r1",)),
+        rec.Tasked(2, 101.0, "acme", "math", 5),
+        rec.Generated(
+            3,
+            102.0,
+            "g1",
+            "inf-0",
+            (rec.GeneratedSample("r1", 0, "length", None), rec.GeneratedSample("r3", 0, "stop", None)),
+            1.0,
+            3.0,
+        ),
+        rec.Generated(4, 102.5, "g2", "inf-0", (rec.GeneratedSample("r2", 0, "stop", None),), 0.0, 4.0),
+        # An episode's last turn: one sample, whose id is not the episode's rollout id.
+        rec.Generated(
+            5, 102.7, "g3", "inf-1", (rec.GeneratedSample("ep-0.t1-0", 0, "length", None),), 0.0, 1.0
+        ),
+        rec.Scored(
+            6, 103.0, "acme", "math", "g1", (rec.ScoredOne("r1", 1.0, 0, 8), rec.ScoredOne("r3", 0.5, 0, 2))
+        ),
+        rec.Scored(7, 103.5, "acme", "math", "g2", (rec.ScoredOne("r2", 0.0, 0, 4),)),
+        rec.Scored(8, 103.7, "acme", "math", "g3", (rec.ScoredOne("ep-0", 1.0, 0, 6),)),
+        rec.Dead(9, 104.0, "acme", "malformed"),
+        rec.Stepped(10, 110.0, 0, 1, 16, {"loss": 0.5, "mismatch_kl": 0.01}, ("r1", "r3", "ep-0")),
     )
     (p,) = state.steps
-    assert p.truncated_frac == 1.0  # r1's generation hit max_tokens
-    assert p.inference_weight_wait_frac == pytest.approx(1.0 / 8.0)
-    assert p.pending_samples == 1  # 3 asked, 2 generated
+    assert p.rollouts == 3
+    assert p.truncated_frac == pytest.approx(2 / 3)  # r1's sample and the episode's last turn hit max_tokens
+    assert p.seq_len_mean == pytest.approx((8 + 2 + 6) / 3)
+    assert p.reward_mean == pytest.approx(2.5 / 3)
+    assert p.inference_weight_wait_frac == pytest.approx(1.0 / 9.0)
+    assert p.pending_samples == 1  # 5 asked, 4 generated (samples, not events)
     assert p.pending_rollouts == 1  # r2 still queued
     assert p.queue_staleness_mean == 1.0  # r2 (version 0) would train at step 1
     assert p.dead_letters == 1 and p.withheld == 0
-    assert p.tokens_per_s == pytest.approx(12 / 10.0)  # since the run started
+    assert p.tokens_per_s == pytest.approx(16 / 10.0)  # since the run started
     assert p.trainer["loss"] == 0.5 and p.trainer["entropy"] == 0.0
-    assert state.apply(rec.Dead(7, 104.0, "acme", "malformed")) is None  # seen already
+    assert state.apply(rec.Dead(9, 104.0, "acme", "malformed")) is None  # seen already
     assert state.dead_by_reason == {"malformed": 1}
 
 
@@ -99,7 +122,7 @@ def test_from_step_keeps_later_points_equal() -> None:
     later_state = MonitorState(run.run_id)
     later_state.from_step = 6
     for item in log_items(run.events):
-        r = rec.of_event(item.seq, item.event)
+        r = rec.fact_of(item.seq, item.subject, item.event)
         if r is not None:
             later_state.apply(r)
     assert [p.step for p in later_state.steps] == [s for s in full if s >= 6]
@@ -140,7 +163,7 @@ def test_a_resumed_run_is_running_again_with_the_resumes_config(store: Store) ->
     items = log_items([ev.new_event(b, run_id=rid) for b in lifecycle])
     state = MonitorState(rid)
     for item in items:
-        r = rec.of_event(item.seq, item.event)
+        r = rec.fact_of(item.seq, item.subject, item.event)
         assert r is not None
         state.apply(r)
     assert state.snapshot(0)["status"] == "running" and state.config == {"trainer": {"max_steps": 5}}

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from jetrl.consumers.monitor import records as rec
 from jetrl.consumers.monitor.series import MonitorState, StepPoint
 from jetrl.consumers.monitor.settings import MonitorSettings
 from jetrl.consumers.monitor.trackers import open_trackers
+from jetrl.store import readmodel as rec
 from tests.support.trackers import check_once
 
 pytest.importorskip("wandb")
@@ -26,9 +26,9 @@ RUN = "trk-run"
 BOTH = MonitorSettings(wandb=True, wandb_mode="offline", tensorboard=True, alerts=False)
 
 
-def records(steps: int) -> list[rec.Record]:
+def records(steps: int) -> list[rec.Fact]:
     """A run's log: each step trains on four rollouts of two envs and two tenants."""
-    out: list[rec.Record] = []
+    out: list[rec.Fact] = []
     seq, t = 0, 1_000.0
 
     def nxt() -> tuple[int, float]:
@@ -41,34 +41,33 @@ def records(steps: int) -> list[rec.Record]:
     for step in range(steps):
         out.append(rec.Tasked(*nxt(), tenant="run", env="add", samples=4))
         ids = []
-        for i in range(4):
-            env, tenant = ("add", "run") if i % 2 == 0 else ("mul", "acme")
-            gen = f"g{step}-{i}"
+        for g, (env, tenant) in enumerate((("add", "run"), ("mul", "acme"))):  # two groups of two
+            gen = f"g{step}-{g}"
+            members = [2 * k + g for k in range(2)]
             out.append(
                 rec.Generated(
                     *nxt(),
                     event_id=gen,
                     worker_id="w0",
-                    finish_reason="length" if i == 3 else "stop",
-                    length=10 + i,
-                    load_wait_s=0.01 * i,
+                    samples=tuple(
+                        rec.GeneratedSample(f"r{step}-{i}", i, "length" if i == 3 else "stop", None)
+                        for i in members
+                    ),
+                    load_wait_s=0.01 * g,
                     generate_s=0.1,
                 )
             )
-            rid = f"r{step}-{i}"
-            out.append(
-                rec.Scored(
-                    *nxt(),
-                    rollout_id=rid,
-                    tenant=tenant,
-                    env=env,
+            rollouts = tuple(
+                rec.ScoredOne(
+                    rollout_id=f"r{step}-{i}",
                     reward=((step * 7 + i * 3) % 10) / 10,
                     version_start=max(0, step - i % 2),
                     length=10 + i,
-                    generation_event_id=gen,
                 )
+                for i in members
             )
-            ids.append(rid)
+            out.append(rec.Scored(*nxt(), tenant=tenant, env=env, generation_event_id=gen, rollouts=rollouts))
+            ids += [r.rollout_id for r in rollouts]
         metrics = {"loss": 1.0 / (step + 1), "entropy": 2.0 - 0.1 * step, "grad_norm": 0.5 + step}
         out.append(
             rec.Stepped(

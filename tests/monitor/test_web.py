@@ -15,10 +15,10 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from jetrl.consumers.monitor import records as rec
 from jetrl.consumers.monitor.service import Monitor
 from jetrl.consumers.monitor.web import STATIC, make_app, serve
 from jetrl.store import queries
+from jetrl.store import readmodel as rec
 from jetrl.store.db import Store, open_store
 from jetrl.store.projection import apply_batch
 from tests.support.synthetic import log_items, synthetic_run

@@ -1,19 +1,28 @@
+import struct
+
+import numpy as np
 import pytest
 import torch
+from blake3 import blake3
 
 from jetrl.policy.models import build_model, get_config
 from jetrl.policy.weights import (
+    META_CHECKSUM,
     ChecksumMismatch,
     Hasher,
     SafetensorsBuffer,
     canonical_order,
     checksum,
+    export_weights,
     from_hf,
     load_into,
     load_weights,
     read_metadata,
     save_weights,
+    tensors_of,
     to_hf,
+    transfer_digest,
+    verified_tensors,
     weights_from_bytes,
     weights_to_bytes,
 )
@@ -121,10 +130,12 @@ def test_safetensors_buffer_filled_tensor_by_tensor_is_the_plain_serialisation()
         buf.put(n, sd[n])
     for n in names:
         h.add(n, sd[n])
-    data = buf.finish(h.hexdigest())
-    tensors, digest = weights_from_bytes(data, expected_checksum=checksum(model))
-    assert digest == h.hexdigest() and all(torch.equal(tensors[n], sd[n]) for n in names)
-    assert read_metadata(data)["version"] == "7"
+    data, digest, blake3 = buf.finish(h.hexdigest())
+    tensors, got = weights_from_bytes(data, expected_checksum=checksum(model))
+    assert got == digest == h.hexdigest() and all(torch.equal(tensors[n], sd[n]) for n in names)
+    assert read_metadata(bytes(data))["version"] == "7"
+    # Filled out of order, the transfer digest was still taken in file order.
+    assert blake3 == transfer_digest(data) == transfer_digest(bytes(data))
 
 
 def test_hasher_and_buffer_refuse_what_would_make_a_wrong_checksum() -> None:
@@ -138,3 +149,82 @@ def test_hasher_and_buffer_refuse_what_would_make_a_wrong_checksum() -> None:
     buf.put("a", torch.zeros(2))
     with pytest.raises(ValueError, match="never filled"):
         buf.finish("0" * 64)
+
+
+def _mixed() -> dict[str, torch.Tensor]:
+    """Mixed dtypes, odd sizes (a float32 after 3 bf16 values lies misaligned), a non-ASCII
+    name, an empty and a 0-d tensor, two names sharing one storage."""
+    base = torch.arange(12, dtype=torch.float32).view(3, 4)
+    return {
+        "b.bf16": torch.tensor([1.5, -2.0, 3.25], dtype=torch.bfloat16),
+        "c.f32": torch.linspace(-1, 1, 7),
+        "é.i64": torch.tensor([1, 2**40], dtype=torch.int64),
+        "d.empty": torch.empty(0, 5),
+        "e.scalar": torch.tensor(2.5),
+        "f.tied": base,
+        "g.tied": base,
+        "h.view": base.t(),
+    }
+
+
+@pytest.mark.parametrize("weights", ["model", "mixed"])
+def test_export_in_one_pass_is_the_checksum_and_digest_of_what_it_wrote(weights, model) -> None:
+    tensors = model.state_dict() if weights == "model" else _mixed()
+    data, digest, b3 = export_weights(tensors, {"version": "4"})
+    assert data.readonly  # handed over: a store may serve it where it lies
+    assert digest == checksum(tensors)  # what PolicyVersionPublished records, as before
+    back, got = weights_from_bytes(data, expected_checksum=digest)
+    assert got == digest and set(back) == set(tensors)
+    assert all(torch.equal(back[n], tensors[n]) for n in tensors)
+    # The transfer digest: BLAKE3 of the bytes after the header, then of the header.
+    (n,) = struct.unpack("<Q", data[:8])
+    h = blake3(bytes(data[8 + n :]))
+    h.update(bytes(data[: 8 + n]))
+    assert b3 == h.hexdigest() == transfer_digest(data)
+    # One byte changed anywhere changes it (a tensor's, the header's).
+    for at in (len(data) - 1, 8 + n // 2):
+        bad = bytearray(data)
+        bad[at] ^= 1
+        assert transfer_digest(bad) != b3
+
+
+def test_export_in_hugging_face_layout_keeps_the_canonical_checksum(model, cfg) -> None:
+    data, digest, b3 = export_weights(model, {"version": "2"}, hf_config=cfg)
+    assert digest == checksum(model) and b3 == transfer_digest(data)
+    hf, meta = tensors_of(data)
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in hf and meta["jetrl.layout"] == "hf"
+    assert weights_from_bytes(data, expected_checksum=digest, model_cfg=cfg)[1] == digest
+
+
+def test_tensors_are_views_of_the_received_bytes(model) -> None:
+    data, digest, _ = export_weights(model)
+    buf = np.frombuffer(data, dtype=np.uint8).copy()  # as received: a writable buffer
+    lo = buf.ctypes.data
+    tensors = verified_tensors(buf, digest)
+    assert all(lo <= t.data_ptr() < lo + buf.size for t in tensors.values() if t.numel())
+    assert checksum(tensors) == digest
+    # A misaligned one is copied rather than viewed.
+    mixed, _ = tensors_of(export_weights(_mixed()).data)
+    assert mixed["c.f32"].data_ptr() % 4 == 0 and torch.equal(mixed["c.f32"], torch.linspace(-1, 1, 7))
+
+
+def test_verified_tensors_refuse_bytes_of_another_version(model) -> None:
+    data, digest, _ = export_weights(model)
+    with pytest.raises(ChecksumMismatch, match="stored checksum"):
+        verified_tensors(data, "0" * 64)
+    assert tensors_of(data)[1][META_CHECKSUM] == digest
+
+
+@pytest.mark.parametrize(
+    "mangle",
+    [
+        lambda d: d[:4],  # shorter than its header length
+        lambda d: struct.pack("<Q", 10**9) + d[8:],  # a header past the end
+        lambda d: d[:8] + b"[" + d[9:],  # a header that does not parse
+        lambda d: d[: len(d) - 4],  # a tensor past the end
+    ],
+)
+def test_malformed_bytes_are_refused_not_read(mangle, model) -> None:
+    data = bytes(export_weights(model).data)
+    with pytest.raises(ValueError):
+        tensors_of(mangle(data))

@@ -236,9 +236,10 @@ def check_report(r: ev.EvaluationReported, env: str, version: int) -> None:
 
 
 def check_never_trained(log: list[ev.Event]) -> None:
-    scored = [e.body for e in log if isinstance(e.body, ev.RolloutScored)]
-    assert scored, "the training tasks go on beside the evaluations"
+    scored = [e.body for e in log if isinstance(e.body, ev.RolloutsScored)]
+    assert scored and all(b.rollouts for b in scored), "the training tasks go on beside the evaluations"
     assert not [b for b in scored if ids.is_eval_task(b.task_id) or ids.is_eval_task(b.group_id)]
+    assert not [r for b in scored for r in b.rollouts if ids.is_eval_task(r.rollout_id)]
     for e in log:
         if isinstance(e.body, ev.TaskSubmitted) and ids.is_eval_task(e.body.task_id):
             assert "eval" in e.body.info and e.body.temperature == 0.5
@@ -266,13 +267,13 @@ async def test_evaluation_survives_a_producer_crash_and_is_never_trained_on(
         gens = subjects.generation_subject(run_id, "default", "heldout")
 
         def all_generated(log: list[ev.Event]) -> bool:
-            return (
-                sum(
-                    isinstance(e.body, ev.GenerationCompleted) and ids.is_eval_task(e.body.task_id)
-                    for e in log
-                )
-                == N_TASKS * K
-            )
+            samples = [
+                s.sample_index
+                for e in log
+                if isinstance(e.body, ev.CompletionsGenerated) and ids.is_eval_task(e.body.task_id)
+                for s in e.body.samples
+            ]
+            return len(samples) == N_TASKS * K
 
         await wait_for(bus, run_id, gens, all_generated)
         for _ in range(100):

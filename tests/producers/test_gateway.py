@@ -137,5 +137,10 @@ async def test_a_live_run_answers_chat_completions(nats_server: EmbeddedServer, 
     tasks = [i.event.body for i in log if i.event and isinstance(i.event.body, ev.TaskSubmitted)]
     mine = [t for t in tasks if t.env == "gateway"]
     assert len(mine) >= 1 and mine[0].group_size == 3 and mine[0].prompt_text == "3+4="
-    scored = [i.event.body for i in log if i.event and isinstance(i.event.body, ev.RolloutScored)]
+    scored = [i.event.body for i in log if i.event and isinstance(i.event.body, ev.RolloutsScored)]
+    assert scored, "the run trained beside the gateway"
     assert not [r for r in scored if r.env == "gateway"], "a gateway answer was scored for training"
+    # Its answers: one CompletionsGenerated with the request's 3 samples.
+    gens = [i.event.body for i in log if i.event and isinstance(i.event.body, ev.CompletionsGenerated)]
+    answers = [g for g in gens if g.task_id == mine[0].task_id]
+    assert len(answers) == 1 and sorted(s.sample_index for s in answers[0].samples) == [0, 1, 2]

@@ -9,7 +9,7 @@
   gateway published must end answered, timed out or refused by the workers; at the end the log
   is checked against that: each task published is in it, each answered one has its completions.
 * The bus: answers that do not belong to a request (another tenant's envelope or subject, a dead
-  letter for another message, a sample index past the group, garbage) are thrown at a pending
+  letter for another message, samples past the group or none, garbage) are thrown at a pending
   request before its real refusal; the request must end with that refusal and nothing else.
 
 Examples are derandomized, the example database is off; each test prints how many inputs it
@@ -419,13 +419,13 @@ def test_fuzz_the_gateways_http_handler(nats_server: EmbeddedServer, tmp_path: P
                 for i in log
                 if i.event and isinstance(i.event.body, ev.TaskSubmitted) and i.event.body.env == "gateway"
             }
-            gens = Counter(
-                i.event.body.task_id
-                for i in log
-                if i.event
-                and isinstance(i.event.body, ev.GenerationCompleted)
-                and i.event.body.env == "gateway"
-            )
+            gens: Counter[str] = Counter()  # samples generated, by task
+            for i in log:
+                g = i.event.body if i.event else None
+                if isinstance(g, ev.CompletionsGenerated) and g.env == "gateway":
+                    assert gens[g.task_id] == 0, f"task {g.task_id}: a second generation in the log"
+                    assert sorted(s.sample_index for s in g.samples) == list(range(len(g.samples)))
+                    gens[g.task_id] += len(g.samples)
             assert len(tasks) == gw.tasks["published"]
             assert set(fz.answered) <= tasks
             for task, n in fz.answered.items():
@@ -460,6 +460,8 @@ FORGERIES = (
     "gen_envelope_of_another_tenant",
     "gen_subject_of_another_tenant",
     "gen_index_past_group",
+    "gen_indexes_past_group",
+    "gen_no_samples",
     "gen_other_task",
     "garbage",
 )
@@ -486,9 +488,9 @@ class EdgeFuzz:
         event_id = over.pop("event_id", ids.dead_letter_id(run, "inference", seq))
         return ev.new_event(body, run_id=run, tenant=tenant, event_id=event_id, **over)
 
-    def generation(self, tenant: str, task_id: str, index: int) -> ev.Event:
+    def generation(self, tenant: str, task_id: str, *indexes: int) -> ev.Event:
         tokens = np.asarray(TOK.encode("7", bos=False), np.int32)
-        body = forged_generation(task_id, "gateway", tokens, index=index, worker_id="inf-forged")
+        body = forged_generation(task_id, "gateway", tokens, indexes=indexes, worker_id="inf-forged")
         return ev.new_event(body, run_id=self.served.run_id, tenant=tenant)
 
     def forgery(self, kind: str, param: int, task_id: str, seq: int) -> tuple[str, bytes]:
@@ -525,6 +527,13 @@ class EdgeFuzz:
         if kind == "gen_index_past_group":
             index = 1 + param if param % 2 else -1 - param
             return gen(run, "globex", "gateway"), ev.encode_event(self.generation("globex", task_id, index))
+        if kind == "gen_indexes_past_group":  # several samples, repeated, none of the group's
+            indexes = [1 + param % 3, -1 - param % 5, 1 + param % 3, 2**31 + param]
+            return gen(run, "globex", "gateway"), ev.encode_event(
+                self.generation("globex", task_id, *indexes)
+            )
+        if kind == "gen_no_samples":
+            return gen(run, "globex", "gateway"), ev.encode_event(self.generation("globex", task_id))
         if kind == "gen_other_task":
             stranger = ids.task_id("gateway", "globex", uuid.uuid4().hex)
             return gen(run, "globex", "gateway"), ev.encode_event(self.generation("globex", stranger, 0))

@@ -21,6 +21,7 @@ import structlog
 from jetrl.bus import events as ev
 from jetrl.bus import subjects
 from jetrl.bus.client import Bus
+from jetrl.bus.payloads import token_list_ref
 from jetrl.producers.gateway import ApiKeys, ChatGateway, GatewaySettings, key_hash, parse_keys, refusal
 from jetrl.producers.gateway_keys import RateLimits, retry_after
 
@@ -47,8 +48,8 @@ def _inline(values: list[int] | list[float], dtype: str) -> ev.InlineArray:
 
 
 class Worker:
-    """Answers the gateway's tasks like an inference worker would (GenerationCompleted under
-    the task's tenant); a tenant's tasks wait while its gate is closed."""
+    """Answers the gateway's tasks like an inference worker would (one CompletionsGenerated
+    under the task's tenant); a tenant's tasks wait while its gate is closed."""
 
     def __init__(self, bus: Bus, run_id: str, answer: list[int]) -> None:
         self.bus, self.run_id, self.answer = bus, run_id, answer
@@ -61,34 +62,34 @@ class Worker:
         async for item in self.bus.tail(self.run_id, filter_subject=subject):
             assert item.event is not None and isinstance(item.event.body, ev.TaskSubmitted)
             await self.seen.put((item.subject, item.event))
-            task = asyncio.create_task(self._generate(item.event))
+            task = asyncio.create_task(self._generate(item.event, item.seq))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _generate(self, e: ev.Event) -> None:
+    async def _generate(self, e: ev.Event, seq: int) -> None:
         t = e.body
         assert isinstance(t, ev.TaskSubmitted)
         gate = self.gates.get(e.tenant)
         if gate is not None:
             await gate.wait()
-        for i in range(t.group_size):
-            body = ev.GenerationCompleted(
-                generation_id=f"{t.task_id}-{i}",
-                task_id=t.task_id,
-                env=t.env,
-                group_id=t.task_id,
-                sample_index=i,
-                group_size=t.group_size,
-                prompt_tokens=_inline(t.prompt_tokens, "int32"),
-                completion_tokens=_inline(self.answer, "int32"),
-                logprobs=_inline([-0.5] * len(self.answer), "float32"),
-                policy_version_start=0,
-                policy_version_end=0,
-                worker_id="fake-0",
-            )
-            await self.bus.publish(
-                ev.new_event(body, run_id=e.run_id, tenant=e.tenant, causation_id=e.event_id)
-            )
+        body = ev.CompletionsGenerated(
+            task_id=t.task_id,
+            env=t.env,
+            prompt_tokens=token_list_ref(seq, "prompt_tokens", t.prompt_tokens),
+            samples=[
+                ev.Completion(
+                    generation_id=f"{t.task_id}-{i}",
+                    sample_index=i,
+                    completion_tokens=_inline(self.answer, "int32"),
+                    logprobs=_inline([-0.5] * len(self.answer), "float32"),
+                )
+                for i in range(t.group_size)
+            ],
+            policy_version_start=0,
+            policy_version_end=0,
+            worker_id="fake-0",
+        )
+        await self.bus.publish(ev.new_event(body, run_id=e.run_id, tenant=e.tenant, causation_id=e.event_id))
 
 
 @pytest.fixture

@@ -82,8 +82,11 @@ async def log_completion(served: Served, generation_id: str) -> list[int]:
         served.run_id, filter_subject=subjects.generation_subject(served.run_id)
     ):
         g = item.event.body if item.event else None
-        if isinstance(g, ev.GenerationCompleted) and g.generation_id == generation_id:
-            return list((await payloads.get_array(g.completion_tokens)).astype(np.int64).tolist())
+        if not isinstance(g, ev.CompletionsGenerated):
+            continue
+        for smp in g.samples:
+            if smp.generation_id == generation_id:
+                return list((await payloads.get_array(smp.completion_tokens)).astype(np.int64).tolist())
     raise AssertionError(f"no generation {generation_id} in the log")
 
 

@@ -241,8 +241,10 @@ async def test_a_short_run_trains_on_a_verifiers_taskset(nats_server, tmp_path: 
     log = await read_log(nats_server.url, run_id)
     tasks = {e.body.task_id: e.body for e in log if isinstance(e.body, ev.TaskSubmitted)}
     assert tasks and all(t.env == "vf-reverse" and TASK_KEY in t.info for t in tasks.values())
-    scored = [e.body for e in log if isinstance(e.body, ev.RolloutScored)]
-    assert scored and all({"positions", "exact"} <= set(r.reward_parts) for r in scored)
+    groups = [e.body for e in log if isinstance(e.body, ev.RolloutsScored)]
+    assert groups and all(len(g.rollouts) == g.group_size == 4 for g in groups)  # a group an event
+    scored = [r for g in groups for r in g.rollouts]
+    assert all({"positions", "exact"} <= set(r.reward_parts) for r in scored)
     for r in scored:  # the reward is the taskset's positions reward, in [0, 1]
         assert r.reward == r.reward_parts["positions"] and 0.0 <= r.reward <= 1.0
     trained = [rid for e in log if isinstance(e.body, ev.StepCompleted) for rid in e.body.rollout_ids]

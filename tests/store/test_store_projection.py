@@ -36,8 +36,8 @@ def snapshot(store: Store, run_id: str) -> dump.Dump:
 
 
 def test_synthetic_run_projects_exactly(store: Store) -> None:
-    run = synthetic_run("proj", steps=12, seed=1)
-    assert len(run) > 1500
+    run = synthetic_run("proj", steps=40, seed=1)
+    assert len(run) > 1500 and len(run.truth.rewards) > 2500 and run.truth.withheld
     project(store, log_items(run.events), "proj", [1, 7, 250, 64, 1000])
     with store.read() as conn:
         assert check_projection(conn, run) == []
@@ -56,7 +56,8 @@ def test_batching_and_repetition_do_not_change_the_rows(store: Store) -> None:
 
 
 def test_tracking_row_skips_what_was_applied(store: Store) -> None:
-    run = synthetic_run("skip", steps=3, seed=4)
+    run = synthetic_run("skip", steps=5, seed=4)
+    assert len(run) > 151
     items = log_items(run.events)
     with store.write() as conn:
         r1 = apply_batch(conn, run_id="skip", stream="S", consumer="c", items=items[:100])

@@ -90,9 +90,10 @@ def test_tenant_and_env_stats(store: Store, projected: SyntheticRun) -> None:
 
 def test_step_rollouts_in_training_order(store: Store, projected: SyntheticRun) -> None:
     seq_of = {
-        e.body.rollout_id: i + 1
+        r.rollout_id: i + 1
         for i, e in enumerate(projected.events)
-        if isinstance(e.body, ev.RolloutScored)
+        if isinstance(e.body, ev.RolloutsScored)
+        for r in e.body.rollouts
     }
     for step, st in projected.truth.steps.items():
         rows = queries.step_rollouts(store, "q", step)

@@ -39,3 +39,43 @@ def test_sqlite_runs_in_wal_mode(tmp_path) -> None:
         assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 1  # NORMAL
     assert s.backend == "sqlite"
     s.close()
+
+
+def test_generations_are_keyed_by_sample_from_0004_on(db_url: str) -> None:
+    """0004: a generation row is a sample (a CompletionsGenerated carries a task's samples),
+    keyed by its generation id, with its event id indexed. The table is a projection: it is
+    made anew (rebuilt from the log), and 0003's key comes back on a downgrade."""
+    from alembic import command
+
+    from jetrl.store.db import alembic_config, make_engine, upgrade
+
+    def key_and_indexes(engine: sa.Engine) -> tuple[list[str], set[tuple[str, ...]]]:
+        insp = sa.inspect(engine)
+        pk = insp.get_pk_constraint("generations")["constrained_columns"]
+        return list(pk), {tuple(str(c) for c in i["column_names"]) for i in insp.get_indexes("generations")}
+
+    engine = make_engine(db_url)
+    try:
+        upgrade(engine, "0003")
+        assert key_and_indexes(engine)[0] == ["run_id", "event_id"]
+        with engine.begin() as conn:  # a row of 0003's, keyed by its event
+            table = sa.Table("generations", sa.MetaData(), autoload_with=conn)
+            strings = {c.name for c in table.columns if isinstance(c.type, sa.String)}
+            conn.execute(
+                table.insert().values({c.name: "x" if c.name in strings else 0 for c in table.columns})
+            )
+        assert upgrade(engine, "head") == ("0003", head_revision())
+        pk, indexes = key_and_indexes(engine)
+        assert pk == ["run_id", "generation_id"]
+        assert {("run_id", "task_id"), ("run_id", "event_id")} <= indexes
+        with engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT count(*) FROM generations")).scalar() == 0
+        cfg = alembic_config()
+        with engine.begin() as conn:
+            cfg.attributes["connection"] = conn
+            command.downgrade(cfg, "0003")
+        assert key_and_indexes(engine)[0] == ["run_id", "event_id"]
+        assert upgrade(engine, "head")[1] == head_revision()
+        assert key_and_indexes(engine)[0] == ["run_id", "generation_id"]
+    finally:
+        engine.dispose()

@@ -60,7 +60,7 @@ def tenant_log(run_id: str, *, steps: int = 6, seed: int = 5) -> TenantLog:
     t = base.events[-1].time
     events: list[ev.Event] = []
     for e in base.events[:-1]:  # RunFinished goes last again
-        if isinstance(e.body, ev.GenerationCompleted):
+        if isinstance(e.body, ev.CompletionsGenerated):
             timings = msgspec.structs.replace(e.body.timings, queued_s=round(rng.uniform(0.0, 5.0), 4))
             e = msgspec.structs.replace(e, body=msgspec.structs.replace(e.body, timings=timings))
         events.append(e)
@@ -148,13 +148,16 @@ def truth(log: TenantLog) -> dict[str, Want]:
             w.later += b.turn > 0
             w.tasks_by_env[b.env] += 1
             w.submitted[b.task_id] = e.time
-        elif isinstance(b, ev.GenerationCompleted):
-            w.generations += 1
-            w.queued.append(b.timings.queued_s)
-        elif isinstance(b, ev.RolloutScored):
-            w.rewards[b.rollout_id] = (b.env, b.reward)
+        elif isinstance(b, ev.CompletionsGenerated):
+            # The store keeps a row per sample: generations count samples, each with its
+            # task's time queued.
+            w.generations += len(b.samples)
+            w.queued.extend([b.timings.queued_s] * len(b.samples))
+        elif isinstance(b, ev.RolloutsScored):
+            for r in b.rollouts:
+                w.rewards[r.rollout_id] = (b.env, r.reward)
+                tenant_of_rollout[r.rollout_id] = e.tenant
             w.scored[b.task_id] = max(w.scored.get(b.task_id, 0.0), e.time)
-            tenant_of_rollout[b.rollout_id] = e.tenant
         elif isinstance(b, ev.RolloutWithheld):
             w.withheld[b.reason] += 1
         elif isinstance(b, ev.StepCompleted):
@@ -228,8 +231,9 @@ def test_step_history_of_one_tenant(store: Store, log_in_store: TenantLog) -> No
     per_step: dict[int, list[str]] = {}
     for e in log_in_store.events:
         b = e.body
-        if isinstance(b, ev.RolloutScored):
-            tenant_of[b.rollout_id], reward[b.rollout_id] = e.tenant, b.reward
+        if isinstance(b, ev.RolloutsScored):
+            for x in b.rollouts:
+                tenant_of[x.rollout_id], reward[x.rollout_id] = e.tenant, x.reward
         elif isinstance(b, ev.RolloutWithheld):
             withheld_at[e.tenant, b.trainer_step] += 1
         elif isinstance(b, ev.StepCompleted):

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from jetrl.bus import events as ev
 from jetrl.bus.payloads import inline_array as inline
+from jetrl.bus.payloads import log_array, token_list_ref
 
 
 def forged_generation(
@@ -13,23 +16,26 @@ def forged_generation(
     env: str,
     tokens: np.ndarray,
     *,
-    index: int = 0,
-    group_size: int = 1,
+    indexes: Sequence[int] = (0,),
     worker_id: str = "inf-0",
-) -> ev.GenerationCompleted:
-    """A well-formed answer to ``task_id`` that no worker generated (``tokens`` as prompt and
-    completion, zero logprobs), for tests that publish what a misbehaving client would."""
+) -> ev.CompletionsGenerated:
+    """A well-formed answer to ``task_id`` that no worker generated: samples ``indexes``, each
+    with ``tokens`` as completion (and as the prompt) and zero logprobs, for tests that publish
+    what a misbehaving client would."""
     ref = inline(np.asarray(tokens, np.int32))
-    return ev.GenerationCompleted(
-        generation_id=f"{task_id}-{index}",
+    return ev.CompletionsGenerated(
         task_id=task_id,
         env=env,
-        group_id=task_id,
-        sample_index=index,
-        group_size=group_size,
         prompt_tokens=ref,
-        completion_tokens=ref,
-        logprobs=inline(np.zeros(len(tokens), np.float32)),
+        samples=[
+            ev.Completion(
+                generation_id=f"{task_id}-{i}",
+                sample_index=i,
+                completion_tokens=ref,
+                logprobs=inline(np.zeros(len(tokens), np.float32)),
+            )
+            for i in indexes
+        ],
         policy_version_start=0,
         policy_version_end=0,
         worker_id=worker_id,
@@ -38,17 +44,16 @@ def forged_generation(
 
 def sample_bodies() -> list[ev.EventBody]:
     rng = np.random.default_rng(0)
-    prompt = inline(rng.integers(0, 64, 12, dtype=np.int32))
     completion = inline(rng.integers(0, 64, 20, dtype=np.int32))
     logprobs = inline(-rng.random(20, dtype=np.float32))
     trace_ref = ev.PayloadRef(
         store="objstore",
         bucket="jetrl_r_payloads",
         name="trace-g1-0",
-        size=32 * 4 * 2,
+        size=23 * 4 * 2,  # 4 prompt + 20 completion tokens, all but the last fed forward
         sha256="ab" * 32,
         dtype="uint8",
-        shape=(32, 4, 2),
+        shape=(23, 4, 2),
     )
     return [
         ev.RunStarted(
@@ -73,39 +78,54 @@ def sample_bodies() -> list[ev.EventBody]:
             max_tokens=16,
             info={"answer": "cba"},
         ),
-        ev.GenerationCompleted(
-            generation_id="reverse.acme.1-0",
+        ev.CompletionsGenerated(
             task_id="reverse.acme.1",
             env="reverse",
-            group_id="reverse.acme.1",
-            sample_index=0,
-            group_size=8,
-            prompt_tokens=prompt,
-            completion_tokens=completion,
-            logprobs=logprobs,
-            routing_trace=trace_ref,
+            # The task's prompt where it lies: its TaskSubmitted (a list of token ids).
+            prompt_tokens=token_list_ref(11, "prompt_tokens", [1, 5, 6, 7]),
+            samples=[
+                ev.Completion(
+                    generation_id="reverse.acme.1-0",
+                    sample_index=0,
+                    completion_tokens=completion,
+                    logprobs=logprobs,
+                    routing_trace=trace_ref,
+                ),
+                ev.Completion(
+                    generation_id="reverse.acme.1-1",
+                    sample_index=1,
+                    completion_tokens=completion,
+                    logprobs=logprobs,
+                    finish_reason="length",
+                ),
+            ],
             policy_version_start=3,
             policy_version_end=4,
             worker_id="inf-0",
-            finish_reason="stop",
             timings=ev.GenerationTimings(queued_s=0.1, generate_s=0.5),
         ),
-        ev.RolloutScored(
-            rollout_id="reverse.acme.1-0",
+        ev.RolloutsScored(
             generation_event_id="e1",
             task_id="reverse.acme.1",
             env="reverse",
             group_id="reverse.acme.1",
-            sample_index=0,
             group_size=8,
-            reward=0.75,
-            reward_parts={"exact": 0.5, "format": 0.25},
-            prompt_tokens=prompt,
-            completion_tokens=completion,
-            logprobs=logprobs,
-            routing_trace=trace_ref,
-            policy_version_start=3,
-            policy_version_end=4,
+            prompt_tokens=token_list_ref(11, "prompt_tokens", [1, 5, 6, 7]),
+            rollouts=[
+                ev.ScoredRollout(
+                    rollout_id=f"reverse.acme.1-{i}",
+                    sample_index=i,
+                    reward=0.75 - i / 4,
+                    reward_parts={"exact": 0.5, "format": 0.25 - i / 4},
+                    # The generation's arrays where they lie in the log (sequence 12).
+                    completion_tokens=log_array(12, f"samples.{i}.completion_tokens", completion),
+                    logprobs=log_array(12, f"samples.{i}.logprobs", logprobs),
+                    routing_trace=trace_ref if i == 0 else None,
+                    policy_version_start=3,
+                    policy_version_end=4,
+                )
+                for i in range(2)
+            ],
         ),
         ev.RolloutWithheld(
             rollout_id="reverse.acme.1-0",
@@ -127,7 +147,7 @@ def sample_bodies() -> list[ev.EventBody]:
             duration_s=0.2,
         ),
         ev.PolicyVersionPublished(version=10, step=9, weights_checksum="cd" * 32, parent_version=9),
-        ev.WeightsReady(version=10, location=trace_ref, weights_checksum="cd" * 32),
+        ev.WeightsReady(version=10, location=trace_ref, weights_checksum="cd" * 32, blake3="ef" * 32),
         ev.WeightsLoaded(version=10, worker_id="inf-0", load_s=0.05),
         ev.WorkerHeartbeat(
             worker_id="inf-0",

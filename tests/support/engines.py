@@ -45,7 +45,7 @@ class OracleEngine:
         return out
 
     async def load_weights(self, ready: ev.WeightsReady, payloads: Payloads) -> None:
-        await payloads.get_bytes(ready.location)  # size and SHA-256 checked; no model to load into
+        await payloads.get_weights(ready)  # the bytes checked as they land; no model to load into
         self._version = ready.version
 
     async def close(self) -> None:

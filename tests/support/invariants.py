@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections import Counter
 
 from jetrl.bus import events as ev
-from tests.support.runlog import bodies
+from jetrl.bus import ids
+from tests.support.runlog import bodies, scored_rollouts
 
 
 def assert_run_invariants(log: list[ev.Event], *, steps: int, rollouts_per_step: int, max_off: int) -> None:
@@ -19,8 +20,26 @@ def assert_run_invariants(log: list[ev.Event], *, steps: int, rollouts_per_step:
     assert [s.policy_version for s in done] == list(range(1, steps + 1))
     assert [s.final for s in done] == [False] * (steps - 1) + [True], "the last step, and only it, is final"
 
+    # One generation per task and one scored event per generation, each whole: a task's
+    # samples (every index once) in one CompletionsGenerated, a group's rollouts (an episode's
+    # alone) in one RolloutsScored.
+    tasks = {t.task_id: t for t in bodies(log, ev.TaskSubmitted)}
+    generated = Counter(g.task_id for g in bodies(log, ev.CompletionsGenerated))
+    assert all(n == 1 for n in generated.values()), "a task was generated twice"
+    for g in bodies(log, ev.CompletionsGenerated):
+        asked = tasks[g.task_id].group_size
+        assert sorted(s.sample_index for s in g.samples) == list(range(asked)), "a task's samples"
+    groups = bodies(log, ev.RolloutsScored)
+    assert all(n == 1 for n in Counter(b.generation_event_id for b in groups).values()), "scored twice"
+    for b in groups:
+        indexes = [r.sample_index for r in b.rollouts]
+        assert (
+            b.rollouts and len(set(indexes)) == len(indexes) and all(0 <= i < b.group_size for i in indexes)
+        )
+        assert all(r.rollout_id == ids.rollout_id(b.group_id, r.sample_index) for r in b.rollouts)
+
     # Every trained rollout was scored exactly once and trained in exactly one step.
-    scored = Counter(r.rollout_id for r in bodies(log, ev.RolloutScored))
+    scored = Counter(r.rollout_id for _, r in scored_rollouts(log))
     assert all(n == 1 for n in scored.values()), "a rollout was scored twice"
     trained = Counter(rid for s in done for rid in s.rollout_ids)
     assert all(n == 1 for n in trained.values()), "a rollout was trained twice"
@@ -31,9 +50,15 @@ def assert_run_invariants(log: list[ev.Event], *, steps: int, rollouts_per_step:
     assert set(scored) == set(trained) | withheld, "a scored rollout is neither trained nor withheld"
     assert all(w.trainer_step == steps for w in bodies(log, ev.RolloutWithheld) if w.reason == "run_finished")
     assert sum(len(s.rollout_ids) for s in done) == steps * rollouts_per_step
+    # A step trains whole groups, the sequence of each rollout's event recorded.
+    sizes = {b.group_id: b.group_size for b in groups}
+    for s in done:
+        assert len(s.rollout_seqs) == len(s.rollout_ids)
+        by_group = Counter(ids.group_of(rid) for rid in s.rollout_ids)
+        assert all(n == sizes[g] for g, n in by_group.items()), "a step trained part of a group"
 
     # Staleness is within the bound for every trained rollout.
-    start_version = {r.rollout_id: r.policy_version_start for r in bodies(log, ev.RolloutScored)}
+    start_version = {r.rollout_id: r.policy_version_start for _, r in scored_rollouts(log)}
     for s in done:
         for rid in s.rollout_ids:
             assert 0 <= s.step - start_version[rid] <= max_off

@@ -91,7 +91,8 @@ def train(core: TrainCore, ckpt_dir: Path) -> dict[str, Any]:
         out["checksums"].append(eng.checksum())
         if step == CKPT_AFTER:
             core.save_checkpoint(ckpt_dir, step, log_seq=step)
-    out["export"] = eng.export_weights({"version": str(STEPS)})
+    exported = eng.export_weights({"version": str(STEPS)})
+    out["export"] = (bytes(exported.data), exported.checksum, exported.blake3)  # pickled back
     return out
 
 

@@ -25,3 +25,13 @@ async def read_log(url: str, run_id: str) -> list[ev.Event]:
 def bodies(log: Iterable[ev.Event], cls: type[B]) -> list[B]:
     """The bodies of one type in a log, in log order."""
     return [e.body for e in log if isinstance(e.body, cls)]
+
+
+def samples(log: Iterable[ev.Event]) -> list[tuple[ev.CompletionsGenerated, ev.Completion]]:
+    """Every generated sample in a log, with the CompletionsGenerated it came in, in log order."""
+    return [(g, s) for g in bodies(log, ev.CompletionsGenerated) for s in g.samples]
+
+
+def scored_rollouts(log: Iterable[ev.Event]) -> list[tuple[ev.RolloutsScored, ev.ScoredRollout]]:
+    """Every scored rollout in a log, with the RolloutsScored it came in, in log order."""
+    return [(b, r) for b in bodies(log, ev.RolloutsScored) for r in b.rollouts]

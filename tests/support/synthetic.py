@@ -2,8 +2,9 @@
 encode, for the store's tests and bench/store.py.
 
 The shape follows an async off-policy run: inference workers generate groups with the policy
-version they have loaded (which lags the trainer by a few versions), the environment scores
-every completion, the trainer trains on what is fresh enough in a shuffled order and withholds
+version they have loaded (which lags the trainer by a few versions), one CompletionsGenerated a
+task, the environment scores each group into one RolloutsScored (arrays referred to where they
+lie in the log), the trainer trains on what is fresh enough in a shuffled order and withholds
 what is too stale (or invalid), then publishes a new policy version whose weights the workers
 load. Heartbeats of every worker are sprinkled throughout.
 """
@@ -21,8 +22,9 @@ from typing import Any, Literal
 import sqlalchemy as sa
 
 from jetrl.bus import events as ev
-from jetrl.bus import subjects
+from jetrl.bus import ids, subjects
 from jetrl.bus.client import Bus
+from jetrl.bus.payloads import log_array, token_list_ref
 from jetrl.bus.streams import payload_bucket
 from jetrl.store import schema as sc
 from jetrl.store.projection import LogItem
@@ -43,7 +45,11 @@ class Truth:
     rollout_scope: dict[str, tuple[str, str]] = field(default_factory=dict)  # rollout -> (tenant, env)
     staleness: dict[str, int] = field(default_factory=dict)
     tasks: int = 0
-    generations: int = 0
+    generations: int = 0  # samples generated (a row each)
+    samples: dict[str, tuple[str, int, str]] = field(
+        default_factory=dict
+    )  # generation id -> (its event's id, sample_index, finish_reason)
+    generation_of: dict[str, str] = field(default_factory=dict)  # rollout -> its generation's event id
     versions: dict[int, str] = field(default_factory=dict)  # version -> weights checksum
     weights_uri: dict[int, str] = field(default_factory=dict)
     workers: dict[str, dict[str, Any]] = field(default_factory=dict)  # id -> kind, status, loaded_version
@@ -84,7 +90,9 @@ def synthetic_run(
     seed: int = 0,
     t0: float = 1_760_000_000.0,
 ) -> SyntheticRun:
-    """About ``steps * (tasks_per_step * (2 * group_size + 1) + 12)`` events."""
+    """About ``steps * (3 * tasks_per_step + 18)`` events: per task its TaskSubmitted, its
+    CompletionsGenerated and its group's RolloutsScored; per step the rollouts withheld, some
+    heartbeats and the step's own events (42 a step with the defaults)."""
     rng = random.Random(seed)
     truth = Truth()
     out: list[ev.Event] = []
@@ -152,69 +160,96 @@ def synthetic_run(
                 tenant,
             )
             truth.tasks += 1
-            group_id = f"{env}.{tenant}.{_ids(rng)}"
-            prompt_arr = _inline(prompt, "int32")  # packed once for the whole group
+            # The prompt where it lies: the task's list of token ids, at its position in a log
+            # that starts at 1 (log_items' default).
+            prompt_ref = token_list_ref(len(out), "prompt_tokens", prompt)
+            # A task's samples are generated together by one worker, with the policy version it
+            # has loaded, which lags the trainer (sometimes by more than the bound).
+            wid = rng.choice(workers)
+            pv_start = max(0, loaded[wid] - (rng.random() < 0.08) * rng.randint(2, 4))
+            pv_end = loaded[wid]
+            samples: list[ev.Completion] = []
             for i in range(group_size):
-                wid = rng.choice(workers)
-                # A worker's version lags the trainer; sometimes by more than the bound.
-                pv_start = max(0, loaded[wid] - (rng.random() < 0.08) * rng.randint(2, 4))
-                pv_end = loaded[wid]
                 n = rng.randint(4, 48)
-                completion = _inline([rng.randrange(32000) for _ in range(n)], "int32")
-                logprobs = _inline([round(-rng.random() * 3, 4) for _ in range(n)], "float32")
-                trace = ev.PayloadRef(
-                    store="objstore",
-                    bucket=payload_bucket(run_id),
-                    name=f"trace/{_ids(rng)}",
-                    size=(len(prompt) + n) * 4 * 2,
-                    sha256=hashlib.sha256(rng.randbytes(8)).hexdigest(),
-                    dtype="uint8",
-                    shape=(len(prompt) + n, 4, 2),
-                )
-                # What a generation and its scored rollout carry alike.
-                shared: dict[str, Any] = {
-                    "task_id": task_id,
-                    "env": env,
-                    "group_id": group_id,
-                    "sample_index": i,
-                    "group_size": group_size,
-                    "prompt_tokens": prompt_arr,
-                    "completion_tokens": completion,
-                    "logprobs": logprobs,
-                    "policy_version_start": pv_start,
-                    "policy_version_end": pv_end,
-                    "routing_trace": trace,
-                }
-                gen = emit(
-                    ev.GenerationCompleted(
-                        generation_id=f"{env}.{tenant}.{_ids(rng)}",
-                        worker_id=wid,
-                        timings=ev.GenerationTimings(
-                            queued_s=0.01, generate_s=round(rng.uniform(0.1, 2.0), 4)
+                samples.append(
+                    ev.Completion(
+                        generation_id=ids.generation_id(task_id, i),
+                        sample_index=i,
+                        completion_tokens=_inline([rng.randrange(32000) for _ in range(n)], "int32"),
+                        logprobs=_inline([round(-rng.random() * 3, 4) for _ in range(n)], "float32"),
+                        finish_reason=rng.choice(("stop", "stop", "stop", "length")),
+                        routing_trace=ev.PayloadRef(
+                            store="objstore",
+                            bucket=payload_bucket(run_id),
+                            name=f"trace/{_ids(rng)}",
+                            size=(len(prompt) + n - 1) * 4 * 2,
+                            sha256=hashlib.sha256(rng.randbytes(8)).hexdigest(),
+                            dtype="uint8",
+                            shape=(len(prompt) + n - 1, 4, 2),
                         ),
-                        **shared,
-                    ),
-                    tenant,
-                    task.event_id,
+                    )
                 )
-                truth.generations += 1
-                rid = f"{env}.{tenant}.{_ids(rng)}"
+            gen = emit(
+                ev.CompletionsGenerated(
+                    task_id=task_id,
+                    env=env,
+                    prompt_tokens=prompt_ref,
+                    samples=samples,
+                    policy_version_start=pv_start,
+                    policy_version_end=pv_end,
+                    worker_id=wid,
+                    timings=ev.GenerationTimings(queued_s=0.01, generate_s=round(rng.uniform(0.1, 2.0), 4)),
+                ),
+                tenant,
+                task.event_id,
+            )
+            gen_seq = len(out)
+            truth.generations += group_size  # a row per sample
+            for smp in samples:
+                truth.samples[smp.generation_id] = (gen.event_id, smp.sample_index, smp.finish_reason)
+            # The group's rollouts, scored together; their arrays are the generation's.
+            group_id = task_id  # a first turn's group is its task
+            rollouts: list[ev.ScoredRollout] = []
+            for i, smp in enumerate(samples):
+                rid = ids.rollout_id(group_id, i)
                 reward = round(rng.random(), 6)
-                emit(
-                    ev.RolloutScored(
+                rollouts.append(
+                    ev.ScoredRollout(
                         rollout_id=rid,
-                        generation_event_id=gen.event_id,
+                        sample_index=i,
                         reward=reward,
                         reward_parts={"correct": reward, "format": 1.0},
-                        **shared,
-                    ),
-                    tenant,
-                    gen.event_id,
+                        completion_tokens=log_array(
+                            gen_seq, f"samples.{i}.completion_tokens", smp.completion_tokens
+                        ),
+                        logprobs=log_array(gen_seq, f"samples.{i}.logprobs", smp.logprobs),
+                        routing_trace=smp.routing_trace,
+                        policy_version_start=pv_start,
+                        policy_version_end=pv_end,
+                    )
                 )
                 truth.rewards[rid] = reward
                 truth.rollout_scope[rid] = (tenant, env)
-                stale = step - pv_start
-                too_stale = stale > max_off_policy_steps
+                truth.generation_of[rid] = gen.event_id
+            rng.shuffle(rollouts)  # a group's rollouts in any order (sample_index says which)
+            emit(
+                ev.RolloutsScored(
+                    generation_event_id=gen.event_id,
+                    task_id=task_id,
+                    env=env,
+                    group_id=group_id,
+                    group_size=group_size,
+                    prompt_tokens=prompt_ref,
+                    rollouts=rollouts,
+                ),
+                tenant,
+                gen.event_id,
+            )
+            stale = step - pv_start
+            too_stale = stale > max_off_policy_steps
+            for r in sorted(rollouts, key=lambda r: r.sample_index):
+                rid = r.rollout_id
+                truth.staleness[rid] = stale
                 if too_stale or rng.random() < 0.02:
                     reason: Literal["stale", "invalid"] = "stale" if too_stale else "invalid"
                     emit(
@@ -231,11 +266,11 @@ def synthetic_run(
                         tenant,
                     )
                     truth.withheld[rid] = reason
-                    truth.staleness[rid] = stale
                 else:
                     batch.append(rid)
-                    truth.staleness[rid] = stale
-                    tokens += n
+                    shape = r.completion_tokens.shape
+                    assert shape is not None
+                    tokens += shape[0]
             if rng.random() < 0.3:
                 heartbeat(rng.choice(["trainer-0", *workers]))
         rng.shuffle(batch)  # training order is not arrival order
@@ -329,7 +364,18 @@ def check_projection(conn: Any, run: SyntheticRun, *, dead_letters: int = 0) -> 
         first = run.events[0].body
         expect("run config", r["config"], first.config if isinstance(first, ev.RunStarted) else None)
     expect("tasks", len(rows("tasks")), truth.tasks)
-    expect("generations", len(rows("generations")), truth.generations)
+    generations = {r["generation_id"]: r for r in rows("generations")}
+    expect("generations", len(generations), truth.generations)
+    for gid, (event_id, index, finish) in truth.samples.items():
+        g = generations.get(gid)
+        if g is None:
+            bad.append(f"generation {gid} missing")
+            continue
+        expect(
+            f"generation {gid}",
+            (g["event_id"], g["sample_index"], g["finish_reason"]),
+            (event_id, index, finish),
+        )
 
     rollouts = {r["rollout_id"]: r for r in rows("rollouts")}
     expect("rollouts", len(rollouts), len(truth.rewards))
@@ -340,6 +386,8 @@ def check_projection(conn: Any, run: SyntheticRun, *, dead_letters: int = 0) -> 
             continue
         expect(f"rollout {rid_} reward", r["reward"], reward)
         expect(f"rollout {rid_} scope", (r["tenant"], r["env"]), truth.rollout_scope[rid_])
+        if rid_ in truth.generation_of:
+            expect(f"rollout {rid_} generation", r["generation_event_id"], truth.generation_of[rid_])
         trained = truth.trained.get(rid_)
         expect(f"rollout {rid_} trained", (r["trained_step"], r["train_position"]), trained or (None, None))
         expect(f"rollout {rid_} withheld", r["withheld_reason"], truth.withheld.get(rid_))

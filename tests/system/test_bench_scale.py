@@ -68,12 +68,14 @@ def test_seed_events_per_step_and_per_second(sim: ModuleType, seed_traffic: Any)
     e = seed_traffic.events
     # A group's first turn is one task; every later turn is one task per sample.
     assert e["task"] == s.groups + s.rollouts * (s.turns - 1) == 7_968
-    assert e["generation"] == s.rollouts * s.turns == 8_192
-    assert e["rollout"] == 256
+    # One CompletionsGenerated a task (a first turn's G samples together): 8,192 samples in all.
+    assert e["generation"] == e["task"] == 7_968
+    # One RolloutsScored an episode (a multi-turn environment's rollouts end on their own).
+    assert e["rollout"] == s.rollouts == 256
     assert (e["step"], e["policy"], e["weights"]) == (1, 1, 1)
     assert e["worker"] == s.heartbeats + s.inference_workers == 16 * 150 + 16
     r = sim.required(s, seed_traffic)
-    assert r.events["generation"] == pytest.approx(8_192 / 300)
+    assert r.events["generation"] == pytest.approx(7_968 / 300)
     assert r.events_total == pytest.approx(sum(e.values()) / 300)
 
 

@@ -47,3 +47,18 @@ def test_figure_lines(bench: ModuleType) -> None:
     assert "- GB/s" in bench.figure_line("50 MB", "memcpy", 0.0, 50_000_000, 0.1)
     assert "2.00x loopback" in bench.figure_line("50 MB", "file", 0.2, 50_000_000, 0.1)
     assert bench.size_label(500_000_000) == "500 MB"
+
+
+def test_paired_ratios_decide_the_best_store(bench: ModuleType) -> None:
+    """A store's ratio is to the loopback rounds run beside its own: the best store is the one
+    of lowest ratio, whatever the floor measured before says."""
+    medians = {"objstore": 9.0, "file": 0.3, "mooncake": 0.4}
+    paired = {"objstore": 40.0, "file": 2.5, "mooncake": 1.6}
+    line = bench.summary_line("500 MB", medians, 0.1, paired)
+    assert line == "weights best store 500 MB: mooncake 1.6x loopback (target <= 2x, met)"
+    assert bench.summary_line("50 MB", medians, 0.1, {"file": 2.5, "mooncake": None}).endswith(
+        "file 2.5x loopback (target <= 2x, missed)"
+    )
+    # No paired ratio at all: the floor measured before decides, as without pairing.
+    assert "file 3.0x" in bench.summary_line("50 MB", medians, 0.1, {"file": None, "mooncake": None})
+    assert "1.60x loopback" in bench.figure_line("50 MB", "file", 0.4, 50_000_000, 0.1, 1.6)

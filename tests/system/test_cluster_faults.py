@@ -23,6 +23,7 @@ import pytest
 
 from jetrl.bus import events as ev
 from jetrl.bus.client import Bus
+from jetrl.bus.retry import retrying
 from jetrl.bus.streams import payload_bucket, stream_name
 from jetrl.deploy.config import load_config
 from jetrl.deploy.replay_cmd import replay
@@ -57,16 +58,17 @@ class Probe:
     @classmethod
     async def start(cls, url: str) -> Probe:
         bus = await Bus.connect(url, name="probe", request_timeout=2.0)
-        await bus.js.add_stream(
-            api.StreamConfig(
-                name=PROBE,
-                subjects=["probe.>"],
-                storage=api.StorageType.FILE,
-                num_replicas=3,
-                max_bytes=16 * 1024**2,
-                duplicate_window=120.0,
-            )
+        config = api.StreamConfig(
+            name=PROBE,
+            subjects=["probe.>"],
+            storage=api.StorageType.FILE,
+            num_replicas=3,
+            max_bytes=16 * 1024**2,
+            duplicate_window=120.0,
         )
+        # A new cluster on a busy machine may take longer than the probe's 2 s request timeout
+        # to place a 3-replica stream; creating it again with the same config is idempotent.
+        await retrying("create the probe stream", lambda: bus.js.add_stream(config))
         probe = cls(bus)
         probe.task = asyncio.create_task(probe.run())
         return probe

@@ -21,7 +21,7 @@ from jetrl.deploy.replay_cmd import replay
 from jetrl.deploy.supervisor import Supervisor
 from jetrl.store import queries
 from jetrl.store.db import open_store
-from tests.support.runlog import read_log
+from tests.support.runlog import read_log, scored_rollouts
 
 pytestmark = [pytest.mark.slow, pytest.mark.fault]
 
@@ -44,6 +44,9 @@ FAST_REDELIVERY = [
         ("env-default-chainsum-0", "chainsum"),  # killed with two-turn episodes in flight
         ("recorder", "modsum"),
         ("nats-server", "modsum"),
+        # The producer and the worker as tasks of one process ([run] host_together): killed,
+        # both rebuild from the log.
+        ("host-producer-inference", "modsum"),
     ],
 )
 async def test_part_killed_twice_mid_run(victim: str, env: str, tmp_path: Path) -> None:
@@ -54,6 +57,8 @@ async def test_part_killed_twice_mid_run(victim: str, env: str, tmp_path: Path) 
     args = f"--trainer.max_steps {MAX_STEPS} --trainer.batch_groups 2 --trainer.checkpoint_every 4 "
     args += f"--inference.workers 1 --envs.0.name {env} --envs.0.group_size 4 "
     args += "--bus.max_gib 0.25 --bus.payload_max_gib 0.5"
+    if victim.startswith("host-"):
+        args += ' --run.host_together ["producer","inference"]'
     cfg = load_config(None, [*args.split(), *FAST_REDELIVERY])
     # Its own embedded server: the nats-server is one of the victims.
     sup = Supervisor(cfg, run_id, tmp_path / run_id, quiet=True)
@@ -101,7 +106,7 @@ async def test_part_killed_twice_mid_run(victim: str, env: str, tmp_path: Path) 
         assert sorted(s.step for s in steps) == list(range(len(steps)))
         trained = Counter(rid for s in steps for rid in s.rollout_ids)
         assert all(n == 1 for n in trained.values()), "a rollout was trained twice"
-        scored = {e.body.rollout_id for e in log if isinstance(e.body, ev.RolloutScored)}
+        scored = {r.rollout_id for _, r in scored_rollouts(log)}
         assert set(trained) <= scored
         withheld = {e.body.rollout_id for e in log if isinstance(e.body, ev.RolloutWithheld)}
         assert not withheld & set(trained)

@@ -5,18 +5,22 @@ and byte-flipped msgpack of valid events, envelopes of unknown types, newer or i
 versions, disagreeing type headers, bodies that do not fit their type, spoofed runs and tenants,
 events on another subject than their own, foreign entity ids, impossible values (group sizes,
 non-finite rewards and temperatures, token ids outside the vocabulary, prompts past the context,
-future versions, arrays of the wrong dtype, shape or length, references to missing payloads) and
-oversized lists, always mixed with good events. Each is published raw (nats-py) to the run's
-stream; the consumer, one instance per test running across all examples, works until its
-durable consumers have nothing pending or unacked (bounded by a deadline, never unbounded).
-Then, per event:
+future versions, arrays of the wrong dtype, shape or length, references to missing payloads,
+log references whose dotted path leads nowhere, to something else or into another event) and
+oversized lists, always mixed with good events. A generation or a group of rollouts is one
+event: the hostile value sits in one sample or rollout of an otherwise good one, or a group's
+rollouts come in events of their own (as a multi-turn environment's do) beside the hostile one.
+Each is published raw (nats-py) to the run's stream; the consumer, one instance per test running
+across all examples, works until its durable consumers have nothing pending or unacked (bounded
+by a deadline, never unbounded). Then, per event:
 
 * a bad one has exactly one DeadLettered from the consumer (its id is the consumer's derived
   dead-letter id for the original's stream sequence, so a dead letter a tenant forged does not
   count), with a non-empty reason among those expected, and had no effect;
-* a good one was processed (inference: one GenerationCompleted per sample; trainer: each
-  rollout in exactly one StepCompleted; scorer: a RolloutScored; recorder: its row in the store)
-  and was not dead-lettered;
+* a good one was processed (inference: one CompletionsGenerated with every sample of the task;
+  trainer: each of its rollouts in exactly one StepCompleted, whole groups; scorer: one
+  RolloutsScored of the task's group, its arrays referred to at their samples; recorder: its
+  rows in the store, one per sample or rollout) and was not dead-lettered;
 * a byte-flipped event that still decodes may go either way, but exactly one way;
 * and the consumer's task is still running.
 
@@ -32,6 +36,7 @@ import asyncio
 import contextlib
 import math
 import os
+import sys
 import threading
 import time
 import uuid
@@ -53,7 +58,7 @@ from jetrl.bus.client import Bus
 from jetrl.bus.payloads import ObjectStorePayloads, Payloads, inline_array, log_array
 from jetrl.bus.server import EmbeddedServer
 from jetrl.bus.settings import EnvRoute, TenantSettings
-from jetrl.bus.streams import payload_bucket
+from jetrl.bus.streams import payload_bucket, stream_name
 from jetrl.consumers.inference.engine import GroupRequest, Sample
 from jetrl.consumers.inference.settings import InferencePart, InferenceSettings
 from jetrl.consumers.inference.worker import InferenceWorker
@@ -110,6 +115,7 @@ class Item:
     reasons: frozenset[str] | None = None
     event: ev.Event | None = None
     seq: int = 0
+    trains: int | None = None  # (trainer, good) rollouts trained from it; None: all of them
 
 
 def encode(e: ev.Event) -> bytes:
@@ -192,7 +198,7 @@ def edge_params(draw: st.DrawFn) -> tuple[str, Any]:
     if kind == "unknown_type":
         return kind, draw(
             st.text(min_size=0, max_size=20).filter(lambda s: s not in ev.CATALOG)
-            | st.sampled_from(["taskSubmitted", "TaskSubmitted ", "", "RolloutScoredV3"])
+            | st.sampled_from(["taskSubmitted", "TaskSubmitted ", "", "RolloutScored", "GenerationCompleted"])
         )
     if kind == "schema_version":
         return kind, draw(st.sampled_from([0, -1, 3, 99, 2**31]) | st.integers(3, 2**40))
@@ -204,7 +210,7 @@ def edge_params(draw: st.DrawFn) -> tuple[str, Any]:
         return kind, draw(st.sampled_from(["acme2", "globex", "evil", "default", "jetrl", "x" * 64]))
     if kind == "foreign_type":
         return kind, draw(st.integers(0, 10))
-    return kind, draw(st.integers(0, 3))
+    return kind, draw(st.integers(0, 7))
 
 
 def other_envelope_types(e: ev.Event) -> list[ev.Event]:
@@ -223,7 +229,7 @@ def other_envelope_types(e: ev.Event) -> list[ev.Event]:
         ev.WorkerHeartbeat(worker_id="inf-9", kind="inference"),
         ev.PolicyVersionPublished(version=1, step=1, weights_checksum="0" * 64),
         ev.TaskSubmitted(task_id="modsum.acme.900", env="modsum", group_size=2, prompt_tokens=[1, 5]),
-        forged_generation("modsum.acme.900", "modsum", np.zeros(2, np.int32), group_size=2),
+        forged_generation("modsum.acme.900", "modsum", np.zeros(2, np.int32), indexes=(0, 1)),
         ev.RolloutWithheld(
             rollout_id="math.acme.900-0",
             group_id="math.acme.900",
@@ -315,13 +321,26 @@ def edge_item(kind: str, param: Any, base: ev.Event, other_subject: str) -> Item
         e = others[param % len(others)]
         return Item(kind, subject, encode(e), headers_of(e), "dead", frozenset({"spoofed"}))
     assert kind == "foreign_id"
+    # An entity id of the event, or of one of its samples or rollouts (the others good), made
+    # another tenant's.
     b = base.body
-    names = [n for n in ("task_id", "group_id", "generation_id", "rollout_id") if hasattr(b, n)]
-    name = names[param % len(names)]
-    value: str = getattr(b, name)
-    env, _, rest = value.partition(".")
-    _, _, rest = rest.partition(".")
-    e = fresh(base, body=msgspec.structs.replace(b, **{name: f"{env}.globex.{rest}"}))
+    entity = ("task_id", "group_id", "generation_id", "rollout_id")
+    members: list[Any] = list(getattr(b, "samples", None) or getattr(b, "rollouts", None) or [])
+    where: list[tuple[str, int | None]] = [(n, None) for n in entity if hasattr(b, n)]
+    where += [(n, k) for k, m in enumerate(members) for n in entity if hasattr(m, n)]
+    name, at = where[param % len(where)]
+
+    def foreign(value: str) -> str:
+        env, _, rest = value.partition(".")
+        _, _, rest = rest.partition(".")
+        return f"{env}.globex.{rest}"
+
+    if at is None:
+        body = msgspec.structs.replace(b, **{name: foreign(getattr(b, name))})
+    else:
+        members[at] = msgspec.structs.replace(members[at], **{name: foreign(getattr(members[at], name))})
+        body = msgspec.structs.replace(b, **{"samples" if hasattr(b, "samples") else "rollouts": members})
+    e = fresh(base, body=body)
     return Item(kind, subject, encode(e), headers_of(e), "dead", frozenset({"spoofed"}), e)
 
 
@@ -373,6 +392,10 @@ class Fuzz:
         self.reasons: Counter[str] = Counter()
         self.examples = 0
         self.slowest: tuple[float, str] = (0.0, "")
+        # The first example that failed: hypothesis runs it again to report it, but the one
+        # consumer has moved on by then (that example's events are in its log), so the
+        # second run's failure may be another, caused by the first.
+        self.first_failure: BaseException | None = None
 
     # what a consumer defines
     async def start_consumer(self) -> Awaitable[Any]:
@@ -452,6 +475,11 @@ class Fuzz:
             if all(resolved(it) for it in items) and await self.settled():
                 break
             await asyncio.sleep(0.05)
+        else:
+            if not self.task.done():  # unsettled at the guard: where each task of the loop waits
+                print(f"the {self.name} did not settle in {SETTLE_S:.0f} s; the loop's tasks:")
+                for task in asyncio.all_tasks():
+                    task.print_stack(limit=12, file=sys.stdout)
         await asyncio.sleep(0.1)  # a second dead letter or output would show by now
         assert not self.task.done(), f"the {self.name} stopped: {self.task}"
         for it in items:
@@ -533,7 +561,11 @@ def drive(
                 await fz.run_case(items)
 
             t0 = time.monotonic()
-            lt.run(one(), SETTLE_S + 60)
+            try:
+                lt.run(one(), SETTLE_S + 60)
+            except BaseException as exc:
+                fz.first_failure = fz.first_failure or exc
+                raise fz.first_failure from None
             fz.slowest = max(fz.slowest, (time.monotonic() - t0, str(case)[:300]))
 
         check()
@@ -638,7 +670,8 @@ class InferenceFuzz(Fuzz):
     def __init__(self, bus: Bus, run_id: str) -> None:
         super().__init__(bus, run_id)
         self.n = 0
-        self.generations: dict[str, int] = {}  # task event id -> GenerationCompleted seen
+        # task event id -> the sample indexes of each CompletionsGenerated that answered it
+        self.generations: dict[str, list[list[int]]] = {}
 
     async def start_consumer(self) -> Awaitable[Any]:
         payloads = await Payloads.for_run(self.bus.js, self.run_id)
@@ -728,10 +761,19 @@ class InferenceFuzz(Fuzz):
             return False
         while self.outputs:  # fold new outputs in
             _, out = self.outputs.pop()
-            if isinstance(out.body, ev.GenerationCompleted) and out.causation_id:
-                self.generations[out.causation_id] = self.generations.get(out.causation_id, 0) + 1
-        want = max(1, e.body.group_size) if isinstance(e.body, ev.TaskSubmitted) else 1
-        return self.generations.get(e.event_id, 0) >= want
+            if isinstance(out.body, ev.CompletionsGenerated) and out.causation_id:
+                indexes = [s.sample_index for s in out.body.samples]
+                self.generations.setdefault(out.causation_id, []).append(indexes)
+        return e.event_id in self.generations
+
+    async def run_case(self, items: list[Item]) -> None:
+        await super().run_case(items)
+        for it in items:
+            e = it.event
+            if e is None or not isinstance(e.body, ev.TaskSubmitted) or e.event_id not in self.generations:
+                continue
+            # One event for the task, with every sample it asked for, each once.
+            assert self.generations[e.event_id] == [list(range(e.body.group_size))], (it.kind, it.seq)
 
 
 def test_fuzz_inference_worker(nats_server: EmbeddedServer) -> None:
@@ -748,14 +790,21 @@ def arr(values: Any, dtype: str) -> ev.InlineArray:
 @st.composite
 def scorer_good(draw: st.DrawFn) -> tuple[str, Any]:
     kind = draw(st.sampled_from(["good_generation", "good_generation", "good_odd_values"]))
-    return kind, (draw(st.integers(0, 4)), draw(st.integers(0, 4)), draw(st.integers(-5, 10**6)))
+    return kind, (
+        draw(st.permutations([0, 1])),  # the samples' order in the event
+        draw(st.integers(0, 1)),  # the odd sample
+        draw(st.integers(-5, 10**6)),
+    )
+
+
+SCORER_BAD = ("unknown_task", "bad_samples", "missing_payload", "short_bytes", "bad_dtype", "log_ref")
 
 
 @st.composite
 def scorer_bad(draw: st.DrawFn) -> tuple[str, Any]:
     if draw(st.booleans()):
         return draw(edge_params())
-    kind = draw(st.sampled_from(["unknown_task", "missing_payload", "short_bytes", "bad_dtype", "log_ref"]))
+    kind = draw(st.sampled_from(SCORER_BAD))
     return kind, draw(st.integers(0, 2**31))
 
 
@@ -768,13 +817,22 @@ class ScorerFuzz(Fuzz):
         part = ProducerPart(env=EnvSettings(name="modsum", tenant="acme", group_size=2))
         self.producer = EnvProducer(bus, run_id, part)
         self.n = 0
-        self.scored: set[str] = set()  # generation event ids scored
+        self.scored: dict[str, ev.RolloutsScored] = {}  # generation event id -> what scored it
 
     async def start_consumer(self) -> Awaitable[Any]:
         self.producer.payloads = Payloads(await ObjectStorePayloads.for_run(self.bus.js, self.run_id))
         return self.producer.score_loop(self.stop)
 
-    def generation(self, *, known: bool = True, **over: Any) -> ev.Event:
+    def generation(
+        self,
+        *,
+        known: bool = True,
+        order: tuple[int, ...] = (0, 1),
+        samples: dict[int, dict[str, Any]] | None = None,
+        **over: Any,
+    ) -> ev.Event:
+        """The task's generation: its samples (indexes ``order``, in that order), ``samples``
+        changes to the sample at a position, ``over`` to the event."""
         self.n += 1
         tid = f"modsum.acme.{self.n}"
         a, b = self.n % 5, (self.n // 5) % 5
@@ -787,37 +845,43 @@ class ScorerFuzz(Fuzz):
                 info={"answer": str((a + b) % 5)},
             )
         completion = TOK.encode(str((a + b) % 5), bos=False, eos=True)
+        smps = [
+            ev.Completion(
+                generation_id=ids.generation_id(tid, i),
+                sample_index=i,
+                completion_tokens=arr(completion, "int32"),
+                logprobs=arr([-0.1] * len(completion), "float32"),
+            )
+            for i in order
+        ]
+        for k, change in (samples or {}).items():
+            smps[k] = msgspec.structs.replace(smps[k], **change)
         fields: dict[str, Any] = {
-            "generation_id": f"{tid}-0",
             "task_id": tid,
             "env": "modsum",
-            "group_id": tid,
-            "sample_index": 0,
-            "group_size": 2,
             "prompt_tokens": arr(TOK.encode(f"{a}+{b}="), "int32"),
-            "completion_tokens": arr(completion, "int32"),
-            "logprobs": arr([-0.1] * len(completion), "float32"),
+            "samples": smps,
             "policy_version_start": 0,
             "policy_version_end": 0,
             "worker_id": "inf-0",
         }
         fields.update(over)
-        return ev.new_event(ev.GenerationCompleted(**fields), run_id=self.run_id, tenant="acme")
+        return ev.new_event(ev.CompletionsGenerated(**fields), run_id=self.run_id, tenant="acme")
 
     async def build(self, recipe: tuple[str, Any]) -> list[Item]:
         kind, p = recipe
         if kind == "good_generation":
-            return [good_item(kind, self.generation())]
+            order, _, _ = p
+            return [good_item(kind, self.generation(order=tuple(order)))]
         if kind == "good_odd_values":
-            # Values only the trainer judges (it refuses them): the scorer scores what it can read.
-            i, size, token = p
-            e = self.generation(
-                sample_index=i - 2,
-                group_size=size,
-                completion_tokens=arr([token, TOK.eos_id], "int32"),
-                logprobs=arr([math.nan, -1.0], "float32"),
-            )
-            return [good_item(kind, e)]
+            # Values only the trainer judges (it refuses them) in one sample: the scorer scores
+            # what it can read.
+            order, k, token = p
+            odd = {
+                "completion_tokens": arr([token, TOK.eos_id], "int32"),
+                "logprobs": arr([math.nan, -1.0], "float32"),
+            }
+            return [good_item(kind, self.generation(order=tuple(order), samples={k: odd}))]
         if kind == "wrong_subject":  # its consumer reads one subject: a body of another env on it
             e = self.generation(env="code")
             return [
@@ -829,6 +893,9 @@ class ScorerFuzz(Fuzz):
             return [edge_item(kind, p, self.generation(), "")]
         if kind == "unknown_task":
             return [dead_item(kind, self.generation(known=False), "invalid")]
+        if kind == "bad_samples":  # not the task's group: a sample missing, repeated, extra or none
+            order = [(0,), (1,), (0, 0), (1, 0, 1), (0, 1, 2), (-1, 0), (0, 2**31), ()][p % 8]
+            return [dead_item(kind, self.generation(order=order), "invalid")]
         bucket = payload_bucket(self.run_id)
         bad: ev.ArrayRef
         if kind == "missing_payload":
@@ -848,15 +915,37 @@ class ScorerFuzz(Fuzz):
                 dtype=["object", "complex128", "U8", "bfloat16"][p % 4], shape=(1,), data=b""
             )
         else:
-            bad = ev.LogArray(seq=p, field="completion_tokens", dtype="int32", shape=(2,))
-        return [dead_item(kind, self.generation(completion_tokens=bad), "unreadable")]
+            field_ = ["samples.0.completion_tokens", "samples.1.completion_tokens", "prompt_tokens"][p % 3]
+            bad = ev.LogArray(seq=p, field=field_, dtype="int32", shape=(2,))
+        # One sample unreadable, the other good: the whole generation is refused.
+        return [dead_item(kind, self.generation(samples={p % 2: {"completion_tokens": bad}}), "unreadable")]
 
     def processed(self, item: Item) -> bool:
         while self.outputs:
             _, out = self.outputs.pop()
-            if isinstance(out.body, ev.RolloutScored) and out.causation_id:
-                self.scored.add(out.causation_id)
+            if isinstance(out.body, ev.RolloutsScored) and out.causation_id:
+                self.scored[out.causation_id] = out.body
         return item.event is not None and item.event.event_id in self.scored
+
+    async def run_case(self, items: list[Item]) -> None:
+        await super().run_case(items)
+        for it in items:
+            e = it.event
+            if e is None or e.event_id not in self.scored or not isinstance(e.body, ev.CompletionsGenerated):
+                continue
+            # The task's group in one event, each rollout's arrays at its own sample in the
+            # generation (referred to, not copied), its prompt the generation's.
+            g, b = e.body, self.scored[e.event_id]
+            assert (b.group_id, b.task_id, b.group_size) == (g.task_id, g.task_id, 2), it.kind
+            assert b.generation_event_id == e.event_id and b.prompt_tokens == g.prompt_tokens
+            assert sorted(r.sample_index for r in b.rollouts) == [0, 1]
+            for r in b.rollouts:
+                (k,) = [k for k, smp in enumerate(g.samples) if smp.sample_index == r.sample_index]
+                assert r.rollout_id == ids.rollout_id(g.task_id, r.sample_index)
+                assert r.completion_tokens == log_array(
+                    it.seq, f"samples.{k}.completion_tokens", g.samples[k].completion_tokens
+                )
+                assert r.logprobs == log_array(it.seq, f"samples.{k}.logprobs", g.samples[k].logprobs)
 
 
 def test_fuzz_environment_scorer(nats_server: EmbeddedServer) -> None:
@@ -904,37 +993,62 @@ class RecorderFuzz(Fuzz):
         if kind == "task":
             body = ev.TaskSubmitted(task_id=tid, env="modsum", group_size=2, prompt_tokens=[5] * n)
         elif kind == "generation":
-            body = ev.GenerationCompleted(
-                generation_id=f"{tid}-0",
+            body = ev.CompletionsGenerated(
                 task_id=tid,
                 env="modsum",
-                group_id=tid,
-                sample_index=0,
-                group_size=2,
-                prompt_tokens=z,
-                completion_tokens=z,
-                logprobs=arr([0.0, 0.0], "float32"),
+                prompt_tokens=ev.LogArray(seq=max(1, n), field="prompt_tokens", dtype="int32", shape=(n,)),
+                samples=[
+                    ev.Completion(
+                        generation_id=ids.generation_id(tid, i),
+                        sample_index=i,
+                        completion_tokens=z,
+                        logprobs=arr([0.0, 0.0], "float32"),
+                        finish_reason=("stop", "length")[i],
+                    )
+                    for i in (1, 0)
+                ],
                 policy_version_start=0,
                 policy_version_end=0,
                 worker_id="inf-0",
             )
         else:
             odd = kind == "odd_rollout"  # what the trainer refuses is still a fact to record
-            body = ev.RolloutScored(
-                rollout_id=f"{tid}-{-1 if odd else 0}",
+            good = [
+                ev.ScoredRollout(
+                    rollout_id=ids.rollout_id(tid, i),
+                    sample_index=i,
+                    reward=0.5,
+                    completion_tokens=ev.LogArray(
+                        seq=7, field=f"samples.{i}.completion_tokens", dtype="int32", shape=(2,)
+                    ),
+                    logprobs=arr([0.0, 0.0], "float32"),
+                    policy_version_start=0,
+                    policy_version_end=0,
+                )
+                for i in (0, 1)
+            ]
+            strange = [  # a sample index out of the group, twice under one id; odd arrays
+                ev.ScoredRollout(
+                    rollout_id=f"{tid}--1",
+                    sample_index=-1,
+                    reward=reward,
+                    reward_parts={"x": reward},
+                    completion_tokens=ev.LogArray(
+                        seq=10**9, field="samples.-1.__class__", dtype="int32", shape=(n,)
+                    ),
+                    logprobs=arr([0.0], "int32"),
+                    policy_version_start=5,
+                    policy_version_end=n,
+                )
+            ] * 2
+            body = ev.RolloutsScored(
                 generation_event_id=uuid.uuid4().hex,
                 task_id=tid,
                 env="modsum",
                 group_id=tid,
-                sample_index=-1 if odd else 0,
                 group_size=0 if odd else 2,
-                reward=reward if odd else 0.5,
-                reward_parts={"x": reward} if odd else {},
                 prompt_tokens=ev.LogArray(seq=10**9, field="x", dtype="int32", shape=(n,)) if odd else z,
-                completion_tokens=z,
-                logprobs=arr([0.0], "int32") if odd else arr([0.0, 0.0], "float32"),
-                policy_version_start=5 if odd else 0,
-                policy_version_end=n if odd else 0,
+                rollouts=[good[0], *strange] if odd else good,
             )
         return ev.new_event(body, run_id=self.run_id, tenant="acme")
 
@@ -955,20 +1069,42 @@ class RecorderFuzz(Fuzz):
         if e is None:
             return False
         b = e.body
-        table, key, col = {
-            ev.TaskSubmitted: ("tasks", "task_id", "seq"),
-            ev.GenerationCompleted: ("generations", "event_id", "seq"),
-            ev.RolloutScored: ("rollouts", "rollout_id", "scored_seq"),
-        }.get(type(b), ("", "", ""))
-        if not table:
+        # Its rows: a task's; one per sample of a generation; one per rollout of a group.
+        keys: list[str]
+        if isinstance(b, ev.TaskSubmitted):
+            table, key, col, keys = "tasks", "task_id", "seq", [b.task_id]
+        elif isinstance(b, ev.CompletionsGenerated):
+            table, key, col, keys = (
+                "generations",
+                "generation_id",
+                "seq",
+                [x.generation_id for x in b.samples],
+            )
+        elif isinstance(b, ev.RolloutsScored):
+            table, key, col, keys = "rollouts", "rollout_id", "scored_seq", [x.rollout_id for x in b.rollouts]
+        else:
             return False
-        value = e.event_id if key == "event_id" else getattr(b, key)
+        if not keys:
+            return False
         with self.store.read() as conn:
-            row = conn.execute(
-                sa.text(f"SELECT {col} FROM {table} WHERE run_id = :r AND {key} = :k"),
-                {"r": self.run_id, "k": value},
-            ).first()
-        return row is not None and row[0] == item.seq
+            for value in keys:
+                row = conn.execute(
+                    sa.text(f"SELECT {col} FROM {table} WHERE run_id = :r AND {key} = :k"),
+                    {"r": self.run_id, "k": value},
+                ).first()
+                if row is None or row[0] != item.seq:
+                    return False
+            if isinstance(b, ev.CompletionsGenerated):  # each sample's row says which it is
+                rows = conn.execute(
+                    sa.text(
+                        "SELECT generation_id, sample_index, finish_reason, event_id FROM generations"
+                        " WHERE run_id = :r AND seq = :s"
+                    ),
+                    {"r": self.run_id, "s": item.seq},
+                ).all()
+                want = {(x.generation_id, x.sample_index, x.finish_reason, e.event_id) for x in b.samples}
+                assert set(map(tuple, rows)) == want, (rows, want)
+        return True
 
 
 def test_fuzz_recorder(nats_server: EmbeddedServer, tmp_path: Path) -> None:
@@ -1034,19 +1170,43 @@ class Member:
     mask: np.ndarray | None = None
 
 
+def routing(rng: np.random.Generator, rows: int) -> np.ndarray:
+    trace = np.stack([rng.permutation(EXPERTS)[:TOP_K] for _ in range(rows * MOE_LAYERS)])
+    return trace.reshape(rows, MOE_LAYERS, TOP_K).astype(np.uint8)
+
+
 def member(
     rng: np.random.Generator, plen: int, clen: int, tokens: str = "int32", lp: str = "float32"
 ) -> Member:
-    rows = plen + clen - 1
-    trace = np.stack([rng.permutation(EXPERTS)[:TOP_K] for _ in range(rows * MOE_LAYERS)])
     return Member(
         prompt=rng.integers(0, VOCAB, plen).astype(tokens),
         completion=rng.integers(0, VOCAB, clen).astype(tokens),
         # Near a fresh tiny model's own (-ln 64): the step's importance ratios keep the tokens,
         # so steps change the weights.
         logprobs=rng.uniform(-4.6, -3.7, clen).astype(lp),
-        trace=trace.reshape(rows, MOE_LAYERS, TOP_K).astype(np.uint8),
+        trace=routing(rng, plen + clen - 1),
     )
+
+
+def group_members(
+    rng: np.random.Generator, size: int, plen: int, clen: int, tokens: str = "int32", lp: str = "float32"
+) -> list[Member]:
+    """A group's members: one prompt (the task's), a completion each."""
+    members = [member(rng, plen, clen, tokens, lp) for _ in range(size)]
+    for m in members[1:]:
+        m.prompt = members[0].prompt
+    return members
+
+
+def with_prompt(rng: np.random.Generator, m: Member, prompt: np.ndarray) -> Member:
+    """``m`` under another prompt, its routing trace as long as the tokens it covers."""
+    return Member(prompt, m.completion, m.logprobs, routing(rng, len(prompt) + len(m.completion) - 1), m.mask)
+
+
+# How a group's rollouts come: all in one event (a single-turn task's group), each in its own
+# (a multi-turn environment's episodes), or two together and the rest alone (a multi-turn
+# environment whose first turn ended some samples at once).
+SHAPES = ("whole", "whole", "split", "pair")
 
 
 @st.composite
@@ -1061,8 +1221,10 @@ def trainer_good(draw: st.DrawFn) -> tuple[str, Any]:
         "rewards": draw(st.lists(st.floats(-10, 10) | st.sampled_from([0.0, 1.0]), min_size=3, max_size=3)),
         "stale": draw(st.integers(0, 10**6)),
         "mask": draw(st.booleans()),
-        "dup": draw(st.sampled_from([-1, -1, 0, 1])),  # a member published twice
+        "dup": draw(st.sampled_from([-1, -1, 0, 1])),  # an event published twice
         "odd": draw(st.integers(0, 5)),
+        "shape": draw(st.sampled_from(SHAPES)),
+        "overlap": draw(st.booleans()),  # (split) the last event brings one rollout held already
     }
 
 
@@ -1071,7 +1233,9 @@ def trainer_bad(draw: st.DrawFn) -> tuple[str, Any]:
     if draw(st.integers(0, 3)) == 0:
         return draw(edge_params())
     # The kinds with most variants, more often.
-    kind = draw(st.sampled_from([*TRAINER_BAD, *READ_TIME, "unreadable", "bad_arrays", "bad_arrays"]))
+    kind = draw(
+        st.sampled_from([*TRAINER_BAD, *READ_TIME, "unreadable", "unreadable", "bad_arrays", "bad_arrays"])
+    )
     oov = (
         st.tuples(st.just("int32"), st.integers(VOCAB, 2**31 - 1) | st.integers(-(2**31), -1))
         | st.tuples(st.just("int64"), st.integers(VOCAB, 2**63 - 1) | st.integers(-(2**63), -1))
@@ -1082,8 +1246,12 @@ def trainer_bad(draw: st.DrawFn) -> tuple[str, Any]:
         "seed": draw(st.integers(0, 2**32 - 1)),
         "variant": draw(st.integers(0, 2**16)),
         "code": draw(st.integers(0, 3)) == 0,  # globex's code (groups of 3), else acme's math
-        "partner": draw(st.booleans()),
-        "first": draw(st.booleans()),  # the bad member before its mates
+        # The hostile value in one rollout of a group's one event (its other rollouts good),
+        # else the hostile rollout in an event of its own and its mates in others.
+        "whole": draw(st.booleans()),
+        "partner": draw(st.booleans()),  # (not whole) its mates come too
+        "together": draw(st.booleans()),  # (not whole) the mates in one event
+        "first": draw(st.booleans()),  # the bad event before its mates
         "big": draw(st.integers(1, 2**62) | st.sampled_from([1, 2, 10**9])),
         "seq": draw(st.integers(-(2**63), 2**64 - 1) | st.sampled_from([0, -1, 10**9, 2**63 - 1, 2**64 - 1])),
         "nonfinite": draw(st.sampled_from([NAN, INF, -INF])),
@@ -1091,6 +1259,10 @@ def trainer_bad(draw: st.DrawFn) -> tuple[str, Any]:
         "oov": draw(oov),
         "text": draw(st.text(max_size=12)),
     }
+
+
+# A change whose value depends on where the event's own generation lies (its stream sequence).
+AtGeneration = Callable[[int], ev.ArrayRef]
 
 
 class TrainerFuzz(Fuzz):
@@ -1109,11 +1281,13 @@ class TrainerFuzz(Fuzz):
         self.trainer = Trainer(bus, run_id, self.part, run_dir)
         self.n = 0
         self.garbage_seq = 0  # an undecodable message in the log, for a LogArray to point at
-        self.gen_seq = 0  # a GenerationCompleted in the log
+        self.gen_seq = 0  # a CompletionsGenerated in the log
+        self.other_task_seq = 0  # another group's TaskSubmitted
         self.by_seq: dict[int, Item] = {}
-        self.trained_seqs: Counter[int] = Counter()  # stream seq -> StepCompleted naming it
+        self.trained_seqs: Counter[int] = Counter()  # stream seq -> rollouts trained from it
         self.trained_ids: Counter[str] = Counter()
-        self.withheld_of: dict[str, str] = {}  # causation (the rollout's event id) -> reason
+        self.trained_at: list[tuple[str, int]] = []  # (rollout id, the seq its step recorded)
+        self.withheld_of: dict[str, list[str]] = {}  # causation (the rollouts' event id) -> reasons
         self.trained_items: list[Item] = []
         self.withheld_items: list[Item] = []
         self.replay_checked: set[str] = set()
@@ -1131,6 +1305,10 @@ class TrainerFuzz(Fuzz):
             subjects.generation_subject(self.run_id, "acme", "math"), b"\xc1junk"
         )
         self.garbage_seq = junk.seq
+        other = ev.TaskSubmitted(
+            task_id="math.acme.other-task", env="math", group_size=2, prompt_tokens=[1, 2, 3]
+        )
+        self.other_task_seq = await self.publish_task(other, "acme")
         return self.trainer.run(self.stop)
 
     # ------------------------------------------------------------ building rollouts
@@ -1139,48 +1317,81 @@ class TrainerFuzz(Fuzz):
         self.n += 1
         return f"{env}.{tenant}.{tag}{self.n}"
 
-    async def put(self, name: str, a: np.ndarray, mode: str, gen_seq: int, field_: str) -> ev.ArrayRef:
-        assert self.payloads is not None
-        if mode == "store":
-            return await self.payloads.put_array(f"{name}-{field_}", a, inline_threshold=0)
-        if mode == "log":
-            return log_array(gen_seq, field_, inline_array(a))
-        return inline_array(a)
+    async def publish_task(self, body: ev.TaskSubmitted, tenant: str) -> int:
+        """A task in the log, under the event id the trainer expects its group's prompt in."""
+        e = ev.new_event(
+            body, run_id=self.run_id, tenant=tenant, event_id=ids.task_event_id(self.run_id, body.task_id)
+        )
+        return int((await self.bus.publish(e)).seq)
 
-    async def rollout(
+    async def prompt_ref(
+        self, gid: str, tenant: str, env: str, size: int, prompt: np.ndarray, mode: str
+    ) -> ev.ArrayRef:
+        """The group's prompt inline, in the object store or (``log``) where a worker refers to
+        it: its task's list of token ids."""
+        assert self.payloads is not None
+        if mode == "log":
+            tokens = [int(t) for t in prompt]
+            seq = await self.publish_task(
+                ev.TaskSubmitted(task_id=gid, env=env, group_size=size, prompt_tokens=tokens), tenant
+            )
+            wide = prompt.dtype == np.int64 or any(not -(2**31) <= t < 2**31 for t in tokens)
+            return ev.LogArray(
+                seq=seq, field="prompt_tokens", dtype="int64" if wide else "int32", shape=(len(tokens),)
+            )
+        if mode == "store":
+            return await self.payloads.put_array(
+                f"{gid}-prompt-{uuid.uuid4().hex[:6]}", prompt, inline_threshold=0
+            )
+        return inline_array(prompt)
+
+    async def scored(
         self,
         gid: str,
-        i: int,
-        m: Member,
+        members: list[tuple[int, Member]],
         *,
         tenant: str,
         env: str,
         size: int,
-        reward: float = 0.0,
-        mode: str = "inline",
-        start: int | None = None,
-        end: int | None = None,
+        rewards: dict[int, float] | None = None,
+        modes: dict[int, str] | None = None,
+        prompt_mode: str = "inline",
+        versions: dict[int, tuple[int, int]] | None = None,
+        member_changes: dict[int, dict[str, Any]] | None = None,
         **changes: Any,
     ) -> ev.Event:
-        """Sample ``i`` of group ``gid``, its arrays inline, in the object store or (``log``)
-        its generation's, published first; then ``changes``."""
+        """One RolloutsScored of group ``gid``: ``members`` (sample index, arrays) in that order,
+        each rollout's arrays inline, in the object store or (``log``) in the event's own
+        generation, published first; then ``member_changes`` to the rollout at a position
+        (values that are functions are given the generation's sequence) and ``changes`` to the
+        event."""
+        payloads = self.payloads
+        assert payloads is not None
+        rewards, modes, versions = rewards or {}, modes or {}, versions or {}
+        member_changes = member_changes or {}
         version = self.trainer.version
-        end = version if end is None else end
-        start = end if start is None else start
-        gen_seq = 0
+        start = min((versions.get(i, (version, version))[0] for i, _ in members), default=version)
+        end = max((versions.get(i, (version, version))[1] for i, _ in members), default=version)
         gen_id = uuid.uuid4().hex  # the generation's event id (its arrays lie there in "log" mode)
-        if mode == "log":
-            gen = ev.GenerationCompleted(
-                generation_id=f"{gid}-{i}",
+        gen_seq = 0
+        needs_gen = any(modes.get(i) == "log" for i, _ in members) or any(
+            callable(v) for c in (*member_changes.values(), changes) for v in c.values()
+        )
+        if needs_gen:
+            gen = ev.CompletionsGenerated(
                 task_id=gid,
                 env=env,
-                group_id=gid,
-                sample_index=i,
-                group_size=size,
-                prompt_tokens=inline_array(m.prompt),
-                completion_tokens=inline_array(m.completion),
-                logprobs=inline_array(m.logprobs),
-                routing_trace=inline_array(m.trace),
+                prompt_tokens=inline_array(members[0][1].prompt),
+                samples=[
+                    ev.Completion(
+                        generation_id=ids.generation_id(gid, i),
+                        sample_index=i,
+                        completion_tokens=inline_array(m.completion),
+                        logprobs=inline_array(m.logprobs),
+                        routing_trace=inline_array(m.trace),
+                    )
+                    for i, m in members
+                ],
                 policy_version_start=start,
                 policy_version_end=end,
                 worker_id="inf-0",
@@ -1188,27 +1399,54 @@ class TrainerFuzz(Fuzz):
             gen_event = ev.new_event(gen, run_id=self.run_id, tenant=tenant, event_id=gen_id)
             gen_seq = (await self.bus.publish(gen_event)).seq
             self.gen_seq = gen_seq
-        name = f"{gid}-{i}-{uuid.uuid4().hex[:6]}"
-        b = ev.RolloutScored(
-            rollout_id=ids.rollout_id(gid, i),
+        rollouts = []
+        for k, (i, m) in enumerate(members):
+            mode = modes.get(i, "inline")
+
+            async def ref(
+                a: np.ndarray, field_: str, k: int = k, i: int = i, mode: str = mode
+            ) -> ev.ArrayRef:
+                if mode == "log":
+                    return log_array(gen_seq, f"samples.{k}.{field_}", inline_array(a))
+                if mode == "store":
+                    return await payloads.put_array(
+                        f"{gid}-{i}-{field_}-{uuid.uuid4().hex[:6]}", a, inline_threshold=0
+                    )
+                return inline_array(a)
+
+            s, e = versions.get(i, (version, version))
+            r = ev.ScoredRollout(
+                rollout_id=ids.rollout_id(gid, i),
+                sample_index=i,
+                reward=rewards.get(i, 0.0),
+                reward_parts={"correct": rewards.get(i, 0.0)},
+                completion_tokens=await ref(m.completion, "completion_tokens"),
+                logprobs=await ref(m.logprobs, "logprobs"),
+                routing_trace=await ref(m.trace, "routing_trace"),
+                completion_mask=None if m.mask is None else inline_array(m.mask),
+                policy_version_start=s,
+                policy_version_end=e,
+            )
+            change = {n: v(gen_seq) if callable(v) else v for n, v in member_changes.get(k, {}).items()}
+            if change:
+                r = msgspec.structs.replace(r, **change)
+            rollouts.append(r)
+        prompt = await self.prompt_ref(
+            gid, tenant, env, size, members[0][1].prompt if members else np.zeros(1, np.int32), prompt_mode
+        )
+        b = ev.RolloutsScored(
             generation_event_id=gen_id,
             task_id=gid,
             env=env,
             group_id=gid,
-            sample_index=i,
             group_size=size,
-            reward=reward,
-            reward_parts={"correct": reward},
-            prompt_tokens=await self.put(name, m.prompt, mode, gen_seq, "prompt_tokens"),
-            completion_tokens=await self.put(name, m.completion, mode, gen_seq, "completion_tokens"),
-            logprobs=await self.put(name, m.logprobs, mode, gen_seq, "logprobs"),
-            routing_trace=await self.put(name, m.trace, mode, gen_seq, "routing_trace"),
-            completion_mask=None if m.mask is None else inline_array(m.mask),
-            policy_version_start=start,
-            policy_version_end=end,
+            prompt_tokens=prompt,
+            rollouts=rollouts,
         )
         if changes:
-            b = msgspec.structs.replace(b, **changes)
+            b = msgspec.structs.replace(
+                b, **{n: v(gen_seq) if callable(v) else v for n, v in changes.items()}
+            )
         return ev.new_event(b, run_id=self.run_id, tenant=tenant)
 
     async def good_group(self, kind: str, p: dict[str, Any]) -> list[Item]:
@@ -1227,38 +1465,47 @@ class TrainerFuzz(Fuzz):
             rewards = [1e9, -1e9, 1e9]
         elif odd == 5:  # the oldest version, still within max_off_policy_steps
             start = 0
-        modes = ["inline", "log", "store"]
-        out = []
-        for i in range(size):
-            m = member(rng, plen, clen, p["tokens"], p["lp"])
+        members = group_members(rng, size, plen, clen, p["tokens"], p["lp"])
+        for m in members:
             if p["mask"] or odd == 3:
                 m.mask = np.zeros(clen, np.uint8) if odd == 3 else rng.integers(0, 2, clen).astype(np.uint8)
             if odd == 4:  # the vocabulary's ends
                 m.prompt[:] = 0
                 m.completion[:] = VOCAB - 1
-            mode = modes[(p["seed"] + i) % 3] if kind == "good_refs" else "inline"
-            end = rng.integers(start, version + 1)
-            e = await self.rollout(
+        modes = ["inline", "log", "store"]
+        refs = kind == "good_refs"
+        order = [int(i) for i in rng.permutation(size)]
+        events: list[list[int]] = {
+            "whole": [order],
+            "split": [[i] for i in order],
+            "pair": [order[:2], *([i] for i in order[2:])],
+        }[p["shape"]]
+        trains = [len(idx) for idx in events]
+        if p["shape"] == "split" and p["overlap"]:  # the last brings the one before it again
+            events[-1] = [events[-2][0], *events[-1]]
+        items = []
+        for idx, n in zip(events, trains, strict=True):
+            e = await self.scored(
                 gid,
-                i,
-                m,
+                [(i, members[i]) for i in idx],
                 tenant=tenant,
                 env=env,
                 size=size,
-                reward=rewards[i],
-                mode=mode,
-                start=start,
-                end=int(end),
+                rewards={i: rewards[i] for i in idx},
+                modes={i: modes[(p["seed"] + i) % 3] if refs else "inline" for i in idx},
+                prompt_mode=modes[p["seed"] % 3] if refs else "inline",
+                versions={i: (start, int(rng.integers(start, version + 1))) for i in idx},
             )
-            out.append(good_item(kind, e))
-        order = rng.permutation(size)
-        items = [out[k] for k in order]
-        if p["dup"] >= 0:  # the same rollout again (a producer's retry): kept once
-            e = items[p["dup"] % size].event
+            it = good_item(kind, e)
+            it.trains = n
+            items.append(it)
+        if p["dup"] >= 0:  # an event again (a producer's retry): its rollouts are kept once
+            at = p["dup"] % len(items)
+            e = items[at].event
             assert e is not None
             copy = fresh(e)
             items.insert(
-                int(rng.integers(p["dup"] % size + 1, size + 1)),
+                int(rng.integers(at + 1, len(items) + 1)),
                 Item(
                     kind + "_dup",
                     subjects.subject_for(copy),
@@ -1277,13 +1524,18 @@ class TrainerFuzz(Fuzz):
         version = self.trainer.version
         plen, clen = int(rng.integers(1, 8)), int(rng.integers(1, 5))
         bad_i = int(rng.integers(0, size))
-        members = [member(rng, plen, clen) for _ in range(size)]
+        members = group_members(rng, size, plen, clen)
         mates: list[int] = [i for i in range(size) if i != bad_i]
+        whole = p["whole"]
         reasons = (TRAINER_REASON.get(kind, kind),)
         mate_expect = "withheld"
-        changes: dict[str, Any] = {}
+        changes: dict[str, Any] = {}  # to the bad rollout
+        group_changes: dict[str, Any] = {}  # to the bad event
         mode = "inline"
+        prompt_mode = "inline"
+        bad_prompt: np.ndarray | None = None  # the bad event's prompt, when it is not the group's
         m = members[bad_i]
+        twice = False  # the bad rollout twice in its event
         if kind == "unknown_env":  # the whole group is of an env the tenant does not have
             env = ["poker", "code" if tenant == "acme" else "math"][v % 2]
             mate_expect = "dead"
@@ -1295,13 +1547,19 @@ class TrainerFuzz(Fuzz):
             changes["rollout_id"] = ids.rollout_id(gid, target)
             mate_expect = "good"
         elif kind == "invalid_group":
-            if v % 2:
-                changes["group_size"] = [1, 0, -1, size + 1, size - 1, 4097, 2**62, -(2**62)][v // 2 % 8]
-                if changes["group_size"] == size:
-                    changes["group_size"] = 1
-            else:
-                index = [size, size + 1, -1, 2**62, -(2**40)][v // 2 % 5]
+            if v % 4 == 0:  # the event's group size
+                group_changes["group_size"] = [1, 0, -1, size + 1, size - 1, 4097, 2**62, -(2**62)][
+                    v // 4 % 8
+                ]
+                if group_changes["group_size"] == size:
+                    group_changes["group_size"] = 1
+            elif v % 4 == 1:  # a sample outside the group
+                index = [size, size + 1, -1, 2**62, -(2**40)][v // 4 % 5]
                 changes.update(sample_index=index, rollout_id=ids.rollout_id(gid, index))
+            elif v % 4 == 2:  # one sample twice in the event (under one id, or a mate's)
+                twice = True
+            else:  # no rollouts at all
+                group_changes["rollouts"] = []
         elif kind == "non_finite":
             if v % 2:
                 changes["reward"] = p["nonfinite"]
@@ -1318,16 +1576,29 @@ class TrainerFuzz(Fuzz):
         elif kind == "future_version":  # past any version this example can reach
             changes.update(policy_version_start=0, policy_version_end=version + 100 + p["big"])
         elif kind == "too_long":
-            members[bad_i] = m = member(rng, CONTEXT - clen + 1 + p["big"] % 3000, clen)
+            if v % 2:  # the event's prompt
+                bad_prompt = rng.integers(0, VOCAB, CONTEXT - clen + 1 + p["big"] % 3000).astype(np.int32)
+            else:  # the bad rollout's completion
+                long = member(rng, plen, CONTEXT - plen + 1 + p["big"] % 3000)
+                members[bad_i] = m = with_prompt(rng, long, m.prompt)
         elif kind == "bad_arrays":
-            changes.update(self.bad_arrays(v, m, p))
+            option = self.bad_arrays(v, m, p)
+            if "prompt_tokens" in option:
+                group_changes.update(option)
+            else:
+                changes.update(option)
         elif kind == "bad_tokens":
             dtype, value = p["oov"]
+            prompt = members[0].prompt.astype(dtype)
             for x in members:
-                x.prompt, x.completion = x.prompt.astype(dtype), x.completion.astype(dtype)
-            where = m.prompt if v % 2 else m.completion
-            where[int(rng.integers(0, len(where)))] = value
-            mode = ["inline", "log", "store"][v // 2 % 3]
+                x.prompt, x.completion = prompt, x.completion.astype(dtype)
+            if v % 2:  # in the event's prompt
+                bad_prompt = prompt.copy()
+                bad_prompt[int(rng.integers(0, len(bad_prompt)))] = value
+                prompt_mode = ["inline", "log", "store"][v // 2 % 3]
+            else:
+                m.completion[int(rng.integers(0, len(m.completion)))] = value
+                mode = ["inline", "log", "store"][v // 2 % 3]
         elif kind == "nan_logprobs":
             m.logprobs = m.logprobs.astype(["float32", "float16", "float64"][v // 3 % 3])
             m.logprobs[int(rng.integers(0, clen))] = p["nonfinite"]
@@ -1349,19 +1620,55 @@ class TrainerFuzz(Fuzz):
                     members[i].mask = np.ones(clen, np.uint8)
             mode = ["inline", "log", "store"][v // 4 % 3]
         elif kind == "unreadable":
-            changes.update(await self.unreadable(v, m, p))
-        reward = changes.pop("reward", float(rng.normal()))
-        bad = await self.rollout(
-            gid, bad_i, m, tenant=tenant, env=env, size=size, reward=reward, mode=mode, **changes
+            where, unread = await self.unreadable(v, m, p, gid, tenant, env, size)
+            if where == "prompt":
+                group_changes["prompt_tokens"] = unread
+            else:
+                changes["completion_tokens"] = unread
+                mode = "log"  # the bad rollout's arrays in its own generation, where paths lead
+        rewards = {i: float(rng.normal()) for i in range(size)}
+        rewards[bad_i] = changes.pop("reward", rewards[bad_i])
+        if whole:
+            # The group's one event, its rollouts in any order, the hostile value in one of them.
+            idx = [int(i) for i in rng.permutation(size)]
+            if twice:
+                idx.insert(int(rng.integers(0, size + 1)), bad_i)
+            bad_members = [(i, members[i]) for i in idx]
+            at = idx.index(bad_i)
+        else:
+            bad_members = [(bad_i, m), (bad_i, m)] if twice else [(bad_i, m)]
+            at = 0
+        if bad_prompt is not None:
+            bad_members = [(i, with_prompt(rng, x, bad_prompt)) for i, x in bad_members]
+        bad = await self.scored(
+            gid,
+            bad_members,
+            tenant=tenant,
+            env=env,
+            size=size,
+            rewards=rewards,
+            modes={i: mode for i, _ in bad_members} if whole else {bad_i: mode},
+            prompt_mode=prompt_mode,
+            member_changes={at: changes},
+            **group_changes,
         )
         items = [dead_item(kind, bad, *reasons)]
+        if whole:
+            return items
         # Read-time reasons show only once the group is complete: its mates always come.
         with_mates = p["partner"] or kind in READ_TIME
         if kind == "bad_ids" and p["partner"]:
             mates = list(range(size))  # the real members, the squatted one included
-        for i in mates if with_mates else []:
-            e = await self.rollout(
-                gid, i, members[i], tenant=tenant, env=env, size=size, reward=float(i), mode=mode
+        batches = [mates] if p["together"] else [[i] for i in mates]
+        for idx in batches if with_mates and mates else []:
+            e = await self.scored(
+                gid,
+                [(i, members[i]) for i in idx],
+                tenant=tenant,
+                env=env,
+                size=size,
+                rewards={i: float(i) for i in idx},
+                modes=dict.fromkeys(idx, mode),
             )
             it = good_item(kind + "_mate", e)
             it.expect = mate_expect
@@ -1374,7 +1681,7 @@ class TrainerFuzz(Fuzz):
 
     def bad_arrays(self, v: int, m: Member, p: dict[str, Any]) -> dict[str, Any]:
         """Arrays admission refuses for their declared dtype, shape or place."""
-        c = len(m.completion)
+        c, plen = len(m.completion), len(m.prompt)
         bucket = payload_bucket(self.run_id)
         ref = ev.PayloadRef(store="objstore", bucket=bucket, name="n", size=4 * c, sha256="0" * 64)
         options: list[dict[str, Any]] = [
@@ -1414,31 +1721,57 @@ class TrainerFuzz(Fuzz):
             {"completion_tokens": ev.InlineArray(dtype="int32", shape=(-c,), data=b"")},
             {
                 "completion_tokens": ev.LogArray(
-                    seq=self.gen_seq, field="completion_tokens", dtype="float32", shape=(c,)
+                    seq=self.gen_seq, field="samples.0.completion_tokens", dtype="float32", shape=(c,)
                 )
             },
             {"completion_tokens": msgspec.structs.replace(ref, dtype="int32", shape=(c,), size=4 * c + 1)},
-            {"logprobs": ev.LogArray(seq=self.gen_seq, field="logprobs", dtype="float32", shape=(c, 1))},
+            {
+                "logprobs": ev.LogArray(
+                    seq=self.gen_seq, field="samples.0.logprobs", dtype="float32", shape=(c, 1)
+                )
+            },
+            {
+                "prompt_tokens": ev.LogArray(
+                    seq=self.other_task_seq, field="prompt_tokens", dtype="float32", shape=(plen,)
+                )
+            },
+            {
+                "prompt_tokens": ev.LogArray(
+                    seq=self.other_task_seq, field="prompt_tokens", dtype="int32", shape=(0,)
+                )
+            },
+            {
+                "prompt_tokens": ev.LogArray(
+                    seq=self.other_task_seq, field="prompt_tokens", dtype="int32", shape=(plen, 1)
+                )
+            },
         ]
         return options[v % len(options)]
 
-    async def unreadable(self, v: int, m: Member, p: dict[str, Any]) -> dict[str, Any]:
-        """References admission accepts that cannot be read, or read what they do not declare."""
+    async def unreadable(
+        self, v: int, m: Member, p: dict[str, Any], gid: str, tenant: str, env: str, size: int
+    ) -> tuple[str, ev.ArrayRef | AtGeneration]:
+        """References admission accepts that cannot be read, or read what they do not declare:
+        ("completion", a reference or a function of the event's own generation's sequence) or
+        ("prompt", a reference)."""
         assert self.payloads is not None
         c = m.completion
         dtype, shape = c.dtype.name, tuple(c.shape)
-        # A generation whose completion is one token longer than the declared shape.
+        plen = len(m.prompt)
+        # Another group's generation, whose completion is one token longer than the declared shape.
         other = member(np.random.default_rng(v), 2, len(c) + 1)
-        gen_body = ev.GenerationCompleted(
-            generation_id="math.acme.other-0",
+        gen_body = ev.CompletionsGenerated(
             task_id="math.acme.other",
             env="math",
-            group_id="math.acme.other",
-            sample_index=0,
-            group_size=2,
             prompt_tokens=inline_array(other.prompt),
-            completion_tokens=inline_array(other.completion),
-            logprobs=inline_array(other.logprobs),
+            samples=[
+                ev.Completion(
+                    generation_id="math.acme.other-0",
+                    sample_index=0,
+                    completion_tokens=inline_array(other.completion),
+                    logprobs=inline_array(other.logprobs),
+                )
+            ],
             policy_version_start=0,
             policy_version_end=0,
             worker_id="inf-0",
@@ -1449,34 +1782,114 @@ class TrainerFuzz(Fuzz):
             seq += 10**9  # past this run's log, not at one of its events
         ok = await self.payloads.put_array(f"ok-{uuid.uuid4().hex[:8]}", c, inline_threshold=0)
         assert isinstance(ok, ev.PayloadRef)
-        field_ = ["env", "group_size", "timings", "worker_id", "nope", p["text"]][v // 12 % 6]
-        options: list[ev.ArrayRef] = [
-            ev.LogArray(seq=seq, field="completion_tokens", dtype=dtype, shape=shape),  # nothing there
-            ev.LogArray(seq=10**12 + v, field="completion_tokens", dtype=dtype, shape=shape),
-            ev.LogArray(seq=self.garbage_seq, field="completion_tokens", dtype=dtype, shape=shape),
-            ev.LogArray(seq=gen, field=field_, dtype=dtype, shape=shape),  # not an array
-            # that array, but not of that shape
-            ev.LogArray(seq=gen, field="completion_tokens", dtype=dtype, shape=shape),
-            ev.LogArray(seq=1, field="completion_tokens", dtype=dtype, shape=shape),  # the run's first event
-            msgspec.structs.replace(ok, name=f"tokens-missing-{v}"),
-            msgspec.structs.replace(ok, sha256="0" * 64),
-            msgspec.structs.replace(ok, store=["file", "mooncake", "none", p["text"]][v // 12 % 4]),
-            msgspec.structs.replace(
-                ok,
-                name=["", " ", "*", ">", "a.b", "../x", "x" * 300, "\0", "\u2603", p["text"]][v // 12 % 10],
-            ),
-            msgspec.structs.replace(ok, name="weights-v0"),  # another object, other bytes
+        field_ = ["env", "policy_version_start", "timings", "worker_id", "nope", p["text"]][v // 16 % 6]
+
+        def at(path: str, dt: str = dtype, sh: tuple[int, ...] = shape) -> AtGeneration:
+            return lambda gen_seq: ev.LogArray(seq=gen_seq, field=path, dtype=dt, shape=sh)
+
+        # Paths into the rollout's own generation that lead to no array of its declared kind.
+        paths = [
+            "samples.99.completion_tokens",
+            f"samples.{size + 1}.completion_tokens",
+            "samples.-1.completion_tokens",
+            "samples.x.completion_tokens",
+            "samples..completion_tokens",
+            "__class__",
+            "samples.0.__class__",
+            "samples.0.__struct_fields__",
+            "samples.0",
+            "samples",
+            "samples.0.completion_tokens.data",
+            "samples.0.completion_tokens.shape",
+            "samples.0.generation_id",
+            "task_id",
+            "",
+            p["text"],
+            field_,
         ]
-        return {"completion_tokens": options[v % len(options)]}
+        options: list[tuple[str, ev.ArrayRef | AtGeneration]] = [
+            (
+                "completion",
+                ev.LogArray(seq=seq, field="completion_tokens", dtype=dtype, shape=shape),
+            ),  # nothing there
+            (
+                "completion",
+                ev.LogArray(seq=10**12 + v, field="samples.0.completion_tokens", dtype=dtype, shape=shape),
+            ),
+            (
+                "completion",
+                ev.LogArray(
+                    seq=self.garbage_seq, field="samples.0.completion_tokens", dtype=dtype, shape=shape
+                ),
+            ),
+            ("completion", ev.LogArray(seq=gen, field=field_, dtype=dtype, shape=shape)),  # not an array
+            # another group's generation: the right path, but not its own (nor of that shape)
+            (
+                "completion",
+                ev.LogArray(seq=gen, field="samples.0.completion_tokens", dtype=dtype, shape=shape),
+            ),
+            (
+                "completion",
+                ev.LogArray(seq=1, field="completion_tokens", dtype=dtype, shape=shape),
+            ),  # the run's first event
+            ("completion", msgspec.structs.replace(ok, name=f"tokens-missing-{v}")),
+            ("completion", msgspec.structs.replace(ok, sha256="0" * 64)),
+            (
+                "completion",
+                msgspec.structs.replace(ok, store=["file", "mooncake", "none", p["text"]][v // 16 % 4]),
+            ),
+            (
+                "completion",
+                msgspec.structs.replace(
+                    ok,
+                    name=["", " ", "*", ">", "a.b", "../x", "x" * 300, "\0", "\u2603", p["text"]][
+                        v // 16 % 10
+                    ],
+                ),
+            ),
+            ("completion", msgspec.structs.replace(ok, name="weights-v0")),  # another object, other bytes
+            ("completion", at(paths[v // 16 % len(paths)])),
+            ("completion", at("samples.0.logprobs")),  # floats there, declared as tokens
+            # The prompt: another group's task (another tenant could name its own this way),
+            # another group's generation, its own generation's instead of its task's.
+            (
+                "prompt",
+                ev.LogArray(seq=self.other_task_seq, field="prompt_tokens", dtype="int32", shape=(plen,)),
+            ),
+            ("prompt", ev.LogArray(seq=gen, field="prompt_tokens", dtype="int32", shape=(plen,))),
+            ("prompt", at("prompt_tokens", "int32", (plen,))),
+        ]
+        # Its own task's, holding more tokens, one past int32, or none where the path leads.
+        own = [
+            ([1] * (plen + 1), "prompt_tokens"),
+            ([1] * (plen - 1) + [2**31 + v], "prompt_tokens"),
+            ([1] * plen, field_),
+            ([1] * plen, "prompt_tokens.0"),
+        ]
+        k = v % (len(options) + len(own))
+        if k < len(options):
+            return options[k]
+        tokens, path = own[k - len(options)]
+        task = ev.TaskSubmitted(task_id=gid, env=env, group_size=size, prompt_tokens=tokens)
+        return "prompt", ev.LogArray(
+            seq=await self.publish_task(task, tenant), field=path, dtype="int32", shape=(plen,)
+        )
 
     async def build(self, recipe: tuple[str, Any]) -> list[Item]:
         kind, p = recipe
         if kind.startswith("good"):
             items = await self.good_group(kind, p)
         elif kind in EDGE_KINDS:
-            m = member(np.random.default_rng(self.n), 3, 2)
-            base = await self.rollout(
-                self.group_id("acme", "math", "x"), 0, m, tenant="acme", env="math", size=2
+            # A group's event: one rollout of two (its mate never comes), or both.
+            rng = np.random.default_rng(self.n)
+            members = group_members(rng, 2, 3, 2)
+            both = self.n % 2 == 0
+            base = await self.scored(
+                self.group_id("acme", "math", "x"),
+                [(0, members[0]), (1, members[1])] if both else [(0, members[0])],
+                tenant="acme",
+                env="math",
+                size=2,
             )
             it = edge_item(kind, p, base, subjects.rollout_subject(self.run_id, "acme", "code"))
             if kind == "foreign_type" and ev.decode_event(it.data, it.headers).type == "RolloutWithheld":
@@ -1484,15 +1897,20 @@ class TrainerFuzz(Fuzz):
                 it.expect, it.reasons = "ignored", None
             items = [it]
         elif kind in ("replay_trained", "replay_withheld"):
-            # A rollout again under a new event id (a producer's retry, or a hostile copy with
-            # other values): the trainer has it already and settles it silently.
+            # An event again under a new event id (a producer's retry, or a hostile copy with
+            # other values in one rollout): the trainer has its rollouts already and settles it
+            # silently.
             done = self.trained_items if kind == "replay_trained" else self.withheld_items
             if not done:
                 return []
             old = done[p["variant"] % len(done)].event
-            assert old is not None and isinstance(old.body, ev.RolloutScored)
-            hostile = {"reward": p["nonfinite"]} if p["partner"] else {}
-            e = fresh(old, body=msgspec.structs.replace(old.body, **hostile))
+            assert old is not None and isinstance(old.body, ev.RolloutsScored)
+            body = old.body
+            if p["partner"]:
+                rollouts = list(body.rollouts)
+                rollouts[-1] = msgspec.structs.replace(rollouts[-1], reward=p["nonfinite"])
+                body = msgspec.structs.replace(body, rollouts=rollouts)
+            e = fresh(old, body=body)
             items = [Item(kind, subjects.subject_for(e), encode(e), headers_of(e), "ignored", event=e)]
         else:
             items = await self.bad_group(kind, p)
@@ -1510,17 +1928,23 @@ class TrainerFuzz(Fuzz):
                 self.steps += 1
                 self.trained_seqs.update(b.rollout_seqs)
                 self.trained_ids.update(b.rollout_ids)
+                self.trained_at.extend(zip(b.rollout_ids, b.rollout_seqs, strict=True))
                 self.nonfinite_metrics.update(k for k, x in b.metrics.items() if not math.isfinite(x))
             elif isinstance(b, ev.RolloutWithheld) and out.causation_id:
-                self.withheld_of[out.causation_id] = b.reason
+                self.withheld_of.setdefault(out.causation_id, []).append(b.reason)
 
     def processed(self, item: Item) -> bool:
         self.fold()
         return self.trained_seqs[item.seq] > 0
 
     def withheld(self, it: Item) -> bool:
+        """Every rollout of the event withheld, as its group's were (incomplete_group)."""
         self.fold()
-        return it.event is not None and self.withheld_of.get(it.event.event_id) == "incomplete_group"
+        e = it.event
+        if e is None or not isinstance(e.body, ev.RolloutsScored):
+            return False
+        reasons = self.withheld_of.get(e.event_id, [])
+        return len(reasons) == len(e.body.rollouts) and set(reasons) == {"incomplete_group"}
 
     def held_seqs(self) -> set[int]:
         return {d.seq for d in self.trainer.buffer.held()}
@@ -1540,25 +1964,47 @@ class TrainerFuzz(Fuzz):
                 self.trained_items.append(it)
             elif it.expect == "withheld":
                 self.withheld_items.append(it)
+            if it.expect == "good":  # its rollouts trained, each from it (but one held already)
+                assert it.event is not None and isinstance(it.event.body, ev.RolloutsScored)
+                want = len(it.event.body.rollouts) if it.trains is None else it.trains
+                assert self.trained_seqs[it.seq] == want, (it.kind, it.seq, self.trained_seqs[it.seq], want)
         twice = [r for r, k in self.trained_ids.items() if k > 1]
         assert not twice, f"trained twice: {twice}"
-        assert all(k == 1 for k in self.trained_seqs.values())
-        for seq in self.trained_seqs:
+        for rid, seq in self.trained_at:
             got = self.by_seq.get(seq)
-            assert got is not None and got.expect in ("good", "either"), f"trained, not good: {got}"
-            assert got.event is not None and isinstance(got.event.body, ev.RolloutScored)
-            assert self.trained_ids[got.event.body.rollout_id] == 1
+            if got is None:  # not a case's event: say what the log holds there
+                raw = await self.bus.js.get_msg(stream_name(self.run_id), seq)
+                held = (raw.subject, (raw.headers or {}).get(ev.HEADER_TYPE), seq in self.own)
+                raise AssertionError(f"{rid} trained from seq {seq}, no case's event: {held}")
+            assert got.expect in ("good", "either"), f"trained, not good: {got}"
+            assert got.event is not None and isinstance(got.event.body, ev.RolloutsScored)
+            assert rid in {r.rollout_id for r in got.event.body.rollouts}, (
+                f"{rid} is not in the event at {seq}"
+            )
+        for seq, n in self.trained_seqs.items():
+            body = self.by_seq[seq].event.body  # type: ignore[union-attr]
+            assert isinstance(body, ev.RolloutsScored) and n <= len(body.rollouts)
+        # Groups are trained whole: as many rollouts as their events say they have.
+        trained_of = Counter(ids.group_of(rid) for rid in self.trained_ids)
+        size_of: dict[str, set[int]] = {}
+        for _, seq in self.trained_at:
+            body = self.by_seq[seq].event.body  # type: ignore[union-attr]
+            assert isinstance(body, ev.RolloutsScored)
+            size_of.setdefault(body.group_id, set()).add(body.group_size)
+        for gid, sizes in size_of.items():
+            assert sizes == {trained_of[gid]}, (gid, sizes, trained_of[gid])
         assert not self.forged_dead
         await self.check_replay()
 
     async def check_replay(self) -> None:
-        """What recovery would re-take (replay.read_rollouts: the first RolloutScored of each
-        trained id in the log) is what was trained (the event at the step's rollout_seqs)."""
-        by_id = {}
-        for seq in self.trained_seqs:
+        """What recovery would re-take (replay.read_rollouts at the sequences the steps
+        recorded) is what was trained: each rollout, in the event it was trained from."""
+        by_id: dict[str, tuple[int, ev.RolloutsScored, ev.ScoredRollout]] = {}
+        for rid, seq in self.trained_at:
             e = self.by_seq[seq].event
-            assert e is not None and isinstance(e.body, ev.RolloutScored)
-            by_id[e.body.rollout_id] = (seq, e.body)
+            assert e is not None and isinstance(e.body, ev.RolloutsScored)
+            r = next(r for r in e.body.rollouts if r.rollout_id == rid)
+            by_id[rid] = (seq, e.body, r)
         new = set(by_id) - self.replay_checked
         if not new:
             return
@@ -1566,12 +2012,17 @@ class TrainerFuzz(Fuzz):
         scored, _ = await read_rollouts(self.bus, self.run_id, new, {rid: by_id[rid][0] for rid in new})
         for rid in sorted(new):
             self.replay_checked.add(rid)
-            if scored[rid] != by_id[rid][1]:
+            view = scored[rid]
+            _, body, r = by_id[rid]
+            assert view.prompt_owner == ids.task_event_id(self.run_id, body.task_id)
+            if (view.body, view.rollout) != (body, r):
                 first = min(
                     (
                         it
                         for it in self.by_seq.values()
-                        if it.event is not None and getattr(it.event.body, "rollout_id", None) == rid
+                        if it.event is not None
+                        and isinstance(it.event.body, ev.RolloutsScored)
+                        and rid in {x.rollout_id for x in it.event.body.rollouts}
                     ),
                     key=lambda it: it.seq,
                 )
@@ -1581,7 +2032,8 @@ class TrainerFuzz(Fuzz):
         lines = [
             super().report(),
             f"  steps {self.steps}, trained rollouts {len(self.trained_ids)}, "
-            f"withheld {len(self.withheld_of)}, held in partial groups {self.held()}",
+            f"withheld {sum(len(r) for r in self.withheld_of.values())}, "
+            f"held in partial groups {self.held()}",
         ]
         if self.nonfinite_metrics:
             lines.append(f"  non-finite step metrics: {dict(self.nonfinite_metrics)}")

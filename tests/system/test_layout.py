@@ -1,5 +1,6 @@
 """The layout holds (docs/architecture.md, "Rooms and arrows"): every package folder is installed,
-arrows point one way."""
+arrows point one way, and the modules of the package's root (jetrl/plugins.py) are leaves every
+room may use."""
 
 from __future__ import annotations
 
@@ -46,6 +47,17 @@ def _imports(path: Path) -> set[str]:
     return out
 
 
+# Modules of the package's own folder (jetrl/): leaves that import nothing of ours, so that every
+# room may import them (the plugin registry, which bus/ and policy/ use too).
+ROOT_MODULES = sorted(p for p in (ROOT / "jetrl").glob("*.py") if p.name != "__init__.py")
+
+
+@pytest.mark.parametrize("path", ROOT_MODULES, ids=lambda p: p.name)
+def test_the_package_root_holds_only_leaves(path: Path) -> None:
+    ours = sorted(m for m in _imports(path) if m == "jetrl" or m.startswith("jetrl."))
+    assert not ours, f"{path.relative_to(ROOT)} imports {ours}"
+
+
 @pytest.mark.parametrize("folder", sorted(ALLOWED))
 def test_imports_point_one_way(folder: str) -> None:
     bad = []
@@ -78,8 +90,13 @@ def test_typecheck_view_mirrors_package_dir() -> None:
     # relative symlink per folder of package-dir, so a fresh clone checks the same files.
     view = ROOT / ".typecheck"
     linked = {p.name for p in (view / "jetrl").iterdir()}
-    expected = {"__init__.py"} | {top.split(".", 1)[1] for top in PACKAGE_DIR if top != "jetrl"}
+    rooms = {top.split(".", 1)[1] for top in PACKAGE_DIR if top != "jetrl"}
+    expected = {"__init__.py"} | {p.name for p in ROOT_MODULES} | rooms
     assert linked == expected
+    for path in ROOT_MODULES:
+        link = view / "jetrl" / path.name
+        assert link.is_symlink() and not Path(os.readlink(link)).is_absolute(), link
+        assert link.resolve() == path.resolve(), link
     for top, folder in PACKAGE_DIR.items():
         link = view.joinpath(*top.split("."))
         if top == "jetrl":

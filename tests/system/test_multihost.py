@@ -22,7 +22,7 @@ from jetrl.store.db import open_store
 from tests.support import netns
 from tests.support.dump_log import load
 from tests.support.invariants import assert_run_invariants
-from tests.support.runlog import bodies
+from tests.support.runlog import bodies, scored_rollouts
 
 pytestmark = [pytest.mark.slow]
 
@@ -182,7 +182,7 @@ def test_a_run_over_three_hosts_keeps_the_invariants(
         assert [s.step for s in done] == list(range(MORE)) and [s.final for s in done].count(True) == 2
         trained = [rid for s in done for rid in s.rollout_ids]
         assert len(trained) == len(set(trained)), "a rollout was trained twice"
-        scored = {r.rollout_id for r in bodies(log, ev.RolloutScored)}
+        scored = {r.rollout_id for _, r in scored_rollouts(log)}
         assert scored == set(trained) | {w.rollout_id for w in bodies(log, ev.RolloutWithheld)}
     if mooncake:  # every version after the first pulled from the trainer's host, over TCP
         held = [r.location for r in bodies(log, ev.WeightsReady) if r.version > 0]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from jetrl.bus import events as ev
-from jetrl.bus import subjects
+from jetrl.bus import ids
 from jetrl.bus.client import Bus
 from jetrl.bus.payloads import PayloadMissing, Payloads
 from jetrl.bus.server import EmbeddedServer
@@ -70,12 +70,27 @@ async def test_short_async_run_keeps_the_invariants(
 
     assert_run_invariants(log, steps=STEPS, rollouts_per_step=2 * 4, max_off=MAX_OFF)
     steps = bodies(log, ev.StepCompleted)
-    # A rollout's arrays are its generation's: referred to where they lie in the log, not copied.
+    # A rollout's arrays are its generation's: referred to where they lie in the log, not copied,
+    # each at its own sample's place; the group's prompt is its task's, as the generation's is.
     bus = await Bus.connect(nats_server.url)
-    gen_seq = {i.seq for i in await bus.read_log(run_id, filter_subject=subjects.generation_subject(run_id))}
-    for r in bodies(log, ev.RolloutScored):
-        refs = [r.prompt_tokens, r.completion_tokens, r.logprobs]
-        assert all(isinstance(a, ev.LogArray) and a.seq in gen_seq for a in refs)
+    at = {i.seq: i.event for i in await bus.read_log(run_id) if i.event is not None}
+    for b in bodies(log, ev.RolloutsScored):
+        gens = {
+            a.seq for r in b.rollouts for a in (r.completion_tokens, r.logprobs) if isinstance(a, ev.LogArray)
+        }
+        assert len(gens) == 1, "a group's arrays lie in one generation"
+        gen = at[gens.pop()]
+        assert gen.event_id == b.generation_event_id and isinstance(gen.body, ev.CompletionsGenerated)
+        assert b.prompt_tokens == gen.body.prompt_tokens
+        assert isinstance(b.prompt_tokens, ev.LogArray) and b.prompt_tokens.field == "prompt_tokens"
+        assert at[b.prompt_tokens.seq].event_id == ids.task_event_id(run_id, b.task_id)
+        assert len(b.rollouts) == b.group_size == 4
+        for r in b.rollouts:
+            for name, a in (("completion_tokens", r.completion_tokens), ("logprobs", r.logprobs)):
+                assert isinstance(a, ev.LogArray)
+                where, k, field = a.field.split(".")
+                assert (where, field) == ("samples", name)
+                assert gen.body.samples[int(k)].generation_id == r.rollout_id
     # Weights past retention are discarded: version 0 and the newest `weights_keep` remain.
     keep = cfg.trainer.weights_keep
     assert keep is not None and keep < STEPS
@@ -83,7 +98,7 @@ async def test_short_async_run_keeps_the_invariants(
     held = set()
     for w in bodies(log, ev.WeightsReady):
         with contextlib.suppress(PayloadMissing):
-            await payloads.get_bytes(w.location)
+            await payloads.get_weights(w)
             held.add(w.version)
     assert held == {0, *range(STEPS - keep + 1, STEPS + 1)}
     await bus.close()
@@ -169,8 +184,12 @@ async def test_multi_turn_episodes_train_as_one_masked_rollout(
         assert first[0].episode is None and t.episode is not None and "_episode" not in t.info
         assert t.prompt_tokens == [*t.episode.prompt, *t.episode.completion]
         assert len(t.episode.mask) == len(t.episode.completion) == len(t.episode.logprobs)
-    scored = [e.body for e in log if isinstance(e.body, ev.RolloutScored)]
-    assert scored and all(r.turns == 2 and r.completion_mask is not None for r in scored)
+    groups = [e.body for e in log if isinstance(e.body, ev.RolloutsScored)]
+    # An episode's rollout comes on its own, as it ends: one rollout an event.
+    assert groups and all(len(b.rollouts) == 1 and b.group_size == 4 for b in groups)
+    scored = [r for b in groups for r in b.rollouts]
+    assert all(r.turns == 2 and r.completion_mask is not None for r in scored)
+    group_of = {r.rollout_id: b.group_id for b in groups for r in b.rollouts}
     # The environment's reply is in the completion but masked out; logprobs are 0 there.
     from jetrl.bus.payloads import ObjectStorePayloads, Payloads
 
@@ -183,7 +202,7 @@ async def test_multi_turn_episodes_train_as_one_masked_rollout(
         tokens = (await pay.get_array(r.completion_tokens)).tolist()
         assert 0 in mask and mask[0] == 1 and mask[-1] == 1 and len(mask) == len(tokens) == len(lps)
         assert all(lp == 0.0 for lp, m in zip(lps, mask, strict=True) if m == 0)
-        assert r.rollout_id == f"{r.group_id}-{r.sample_index}" and r.group_size == 4
+        assert r.rollout_id == f"{group_of[r.rollout_id]}-{r.sample_index}"
     await bus.close()
     steps = [e.body for e in log if isinstance(e.body, ev.StepCompleted)]
     assert [s.step for s in steps] == [0, 1, 2]

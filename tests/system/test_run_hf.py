@@ -27,7 +27,7 @@ from jetrl.policy.hf_tokenizer import HFTokenizer
 from jetrl.policy.origin import initial_model
 from jetrl.policy.settings import ModelSettings
 from jetrl.policy.weights import load_into, weights_from_bytes
-from tests.support.runlog import bodies, read_log
+from tests.support.runlog import bodies, read_log, samples, scored_rollouts
 
 pytestmark = pytest.mark.slow
 
@@ -64,7 +64,7 @@ async def test_hf_tiny_run_multi_turn_with_the_tool(nats_server: EmbeddedServer,
     steps = bodies(log, ev.StepCompleted)
     assert [s.step for s in steps] == list(range(STEPS))
     assert [p.version for p in bodies(log, ev.PolicyVersionPublished)] == list(range(STEPS + 1))
-    scored = Counter(r.rollout_id for r in bodies(log, ev.RolloutScored))
+    scored = Counter(r.rollout_id for _, r in scored_rollouts(log))
     trained = Counter(rid for s in steps for rid in s.rollout_ids)
     assert all(n == 1 for n in scored.values()) and all(n == 1 for n in trained.values())
     assert set(trained) <= set(scored)
@@ -73,7 +73,7 @@ async def test_hf_tiny_run_multi_turn_with_the_tool(nats_server: EmbeddedServer,
     # The held-out split was evaluated (version 0 as the baseline) and never trained on.
     evals = bodies(log, ev.EvaluationReported)
     assert evals and evals[0].policy_version == 0 and all(e.n_tasks == 4 and e.samples == 2 for e in evals)
-    assert not [r for r in bodies(log, ev.RolloutScored) if ids.is_eval_task(r.task_id)]
+    assert not [b for b in bodies(log, ev.RolloutsScored) if ids.is_eval_task(b.task_id)]
 
     # Prompts are the chat template's, token for token.
     tasks = bodies(log, ev.TaskSubmitted)
@@ -87,7 +87,7 @@ async def test_hf_tiny_run_multi_turn_with_the_tool(nats_server: EmbeddedServer,
     bus = await Bus.connect(nats_server.url)
     try:
         payloads = await Payloads.for_run(bus.js, run_id)
-        gens = {(g.task_id, g.sample_index): g for g in bodies(log, ev.GenerationCompleted)}
+        gens = {(g.task_id, s.sample_index): s for g, s in samples(log)}
         for t in later:
             assert t.episode is not None
             origin = next(f for f in first if f.task_id == t.episode_id)
@@ -102,7 +102,7 @@ async def test_hf_tiny_run_multi_turn_with_the_tool(nats_server: EmbeddedServer,
             )
             assert t.prompt_tokens[-3:] == tok.encode("<|im_start|>assistant\n", bos=False)[-3:]
         # The tool's message is in the trained rollout but out of the loss.
-        multi = [r for r in bodies(log, ev.RolloutScored) if r.turns > 1]
+        multi = [r for _, r in scored_rollouts(log) if r.turns > 1]
         assert multi and all(r.completion_mask is not None for r in multi)
         for r in multi[:4]:
             assert r.completion_mask is not None
@@ -115,7 +115,7 @@ async def test_hf_tiny_run_multi_turn_with_the_tool(nats_server: EmbeddedServer,
         assert await export(nats_server.url, run_id, run_dir, None, out, None) == 0
         last = max(bodies(log, ev.WeightsReady), key=lambda w: w.version)
         tensors, _ = weights_from_bytes(
-            await payloads.get_bytes(last.location), expected_checksum=last.weights_checksum
+            await payloads.get_weights(last), expected_checksum=last.weights_checksum
         )
     finally:
         await bus.close()

@@ -20,7 +20,7 @@ from jetrl.bus import events as ev
 from jetrl.bus.server import EmbeddedServer
 from jetrl.deploy.config import load_config
 from jetrl.deploy.supervisor import Supervisor
-from tests.support.runlog import bodies, read_log
+from tests.support.runlog import bodies, read_log, scored_rollouts
 
 pytestmark = [pytest.mark.slow, pytest.mark.fault]
 
@@ -69,7 +69,7 @@ async def test_two_rank_trainer_survives_a_killed_rank(nats_server: EmbeddedServ
     assert sorted(s.step for s in steps) == list(range(STEPS))  # contiguous, each once
     trained = Counter(rid for s in steps for rid in s.rollout_ids)
     assert all(n == 1 for n in trained.values()), "a rollout was trained twice"
-    scored = Counter(r.rollout_id for r in bodies(log, ev.RolloutScored))
+    scored = Counter(r.rollout_id for _, r in scored_rollouts(log))
     assert set(trained) <= set(scored) and all(n == 1 for n in scored.values())
     withheld = {w.rollout_id for w in bodies(log, ev.RolloutWithheld)}
     assert not withheld & set(trained)

@@ -41,7 +41,7 @@ from jetrl.policy.weights import load_into, weights_from_bytes
 from jetrl.producers.gateway import ChatGateway, GatewaySettings
 from tests.support.forwards import logprob_gap
 from tests.support.processes import vllm_processes
-from tests.support.runlog import bodies, read_log
+from tests.support.runlog import bodies, read_log, samples
 from tests.support.smollm2 import smollm2_dir
 
 pytestmark = pytest.mark.slow
@@ -119,7 +119,7 @@ async def smol(nats_server: EmbeddedServer, ckpt: Path, tmp_path_factory: pytest
     try:
         payloads = await Payloads.for_run(bus.js, run_id, weights_dir=run_dir / "payloads")
         for w in bodies(log, ev.WeightsReady):
-            data = await payloads.get_bytes(w.location)
+            data = await payloads.get_weights(w)
             weights[w.version], _ = weights_from_bytes(
                 data, expected_checksum=w.weights_checksum, model_cfg=mcfg
             )
@@ -141,16 +141,17 @@ async def test_every_rollout_is_trained_once_and_the_baseline_evaluated(smol: Sm
 
 
 async def _arrays(
-    smol: SmolRun, gens: list[ev.GenerationCompleted]
+    smol: SmolRun, gens: list[tuple[ev.CompletionsGenerated, ev.Completion]]
 ) -> list[tuple[list[int], list[int], Any]]:
+    """(prompt, completion, logprobs) of each sample: its prompt read where it lies (its task)."""
     bus = await Bus.connect(smol.url)
     try:
         payloads = await Payloads.for_run(bus.js, smol.run_id, weights_dir=smol.run_dir / "payloads")
         out = []
-        for g in gens:
+        for g, smp in gens:
             prompt = (await payloads.get_array(g.prompt_tokens)).tolist()
-            completion = (await payloads.get_array(g.completion_tokens)).tolist()
-            out.append((prompt, completion, await payloads.get_array(g.logprobs)))
+            completion = (await payloads.get_array(smp.completion_tokens)).tolist()
+            out.append((prompt, completion, await payloads.get_array(smp.logprobs)))
         return out
     finally:
         await bus.close()
@@ -162,7 +163,7 @@ async def test_prompts_and_completions_are_the_models_own(smol: SmolRun) -> None
     assert tasks and all(t.prompt_text.startswith("<|im_start|>") for t in tasks)
     assert all(t.prompt_text.endswith("<|im_start|>assistant\n") for t in tasks)
     assert all(t.prompt_tokens == tok.encode(t.prompt_text, bos=False) for t in tasks)
-    gens = bodies(smol.log, ev.GenerationCompleted)[:4]
+    gens = samples(smol.log)[:4]
     texts = [tok.decode(completion) for _, completion, _ in await _arrays(smol, gens)]
     assert any(any(c.isalpha() for c in t) for t in texts), texts  # words, from a pretrained model
 
@@ -171,12 +172,10 @@ async def test_prompts_and_completions_are_the_models_own(smol: SmolRun) -> None
 async def test_vllms_logprobs_equal_jetrls_model_at_every_version_it_served(smol: SmolRun) -> None:
     """The behaviour logprobs in the log, from vLLM serving the imported folder and then each
     version loaded in place, against jetrl's model at that version on the same tokens."""
-    gens = [
-        g for g in bodies(smol.log, ev.GenerationCompleted) if g.policy_version_start == g.policy_version_end
-    ]
-    by_version: dict[int, list[ev.GenerationCompleted]] = {}
-    for g in gens:
-        by_version.setdefault(g.policy_version_end, []).append(g)
+    gens = [(g, s) for g, s in samples(smol.log) if g.policy_version_start == g.policy_version_end]
+    by_version: dict[int, list[tuple[ev.CompletionsGenerated, ev.Completion]]] = {}
+    for g, s in gens:
+        by_version.setdefault(g.policy_version_end, []).append((g, s))
     # Version 0 is the imported checkpoint as vLLM read it; version 1 came in place, as bytes.
     assert {0, 1} <= set(by_version), sorted(by_version)
     for version, group in sorted(by_version.items()):
@@ -218,9 +217,9 @@ async def test_the_export_serves_in_vllm_with_jetrls_logprobs(smol: SmolRun) -> 
     finally:
         await engine.close()
     model = smol.model_at(STEPS)
-    for p, samples in zip(prompts, out, strict=True):
-        assert len(samples) == 2
-        for s in samples:
+    for p, generated in zip(prompts, out, strict=True):
+        assert len(generated) == 2
+        for s in generated:
             assert logprob_gap(model, p, s.completion_tokens.tolist(), s.logprobs) <= LOGPROB_TOL
 
 

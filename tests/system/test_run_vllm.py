@@ -21,7 +21,7 @@ from jetrl.deploy.replay_cmd import replay
 from jetrl.deploy.supervisor import Supervisor
 from jetrl.deploy.tiny_hf_cmd import make_checkpoint, warm_start
 from tests.support.processes import vllm_processes
-from tests.support.runlog import bodies, read_log
+from tests.support.runlog import bodies, read_log, samples, scored_rollouts
 
 pytestmark = [
     pytest.mark.slow,
@@ -80,15 +80,15 @@ async def test_vllm_run_survives_its_worker_killed(tmp_path: Path) -> None:
         assert sorted(s.step for s in steps) == list(range(STEPS))
         trained = Counter(rid for s in steps for rid in s.rollout_ids)
         assert all(n == 1 for n in trained.values()), "a rollout was trained twice"
-        scored = Counter(r.rollout_id for r in bodies(log, ev.RolloutScored))
+        scored = Counter(r.rollout_id for _, r in scored_rollouts(log))
         assert all(n == 1 for n in scored.values()) and set(trained) <= set(scored)
         withheld = {w.rollout_id for w in bodies(log, ev.RolloutWithheld)}
         assert not withheld & set(trained)
         assert set(scored) == set(trained) | withheld
         assert all(w.format == "safetensors-hf" for w in bodies(log, ev.WeightsReady))
         # Router Replay: every generation carries vLLM's routing trace, and the trainer replayed them.
-        gens = bodies(log, ev.GenerationCompleted)
-        assert gens and all(g.routing_trace is not None for g in gens)
+        gens = samples(log)
+        assert gens and all(s.routing_trace is not None for _, s in gens)
         loaded = bodies(log, ev.WeightsLoaded)
         assert len({w.worker_id for w in loaded}) >= 1 and max(w.version for w in loaded) >= 1
         assert bodies(log, ev.RunFinished)[-1].status == "completed"

@@ -4,8 +4,10 @@
 vLLM's dependencies only (torch, safetensors), never jetrl.
 
 ``jetrl_load_weights(path)`` replaces the model's weights in place from one safetensors file in
-Hugging Face layout (as jetrl's trainer publishes with ``weights_layout = "hf"``), through vLLM's
-own in-place reload, which re-runs each layer's weight processing. vLLM builds a fused-MoE
+Hugging Face layout (as jetrl's trainer publishes with ``weights_layout = "hf"``; the engine
+receives the bytes into it, in /dev/shm), through vLLM's own in-place reload, given views of
+the mapped file (no copy of it before the reload's own into the parameters), which re-runs
+each layer's weight processing. vLLM builds a fused-MoE
 layer's expert kernel once, though, and on CPU that kernel keeps its own prepacked copy of the
 expert weights: after a reload it would go on computing with the old experts, so each one is
 packed again from the new weights. A tied output head (SmolLM2, the small Qwen3s) is the same:
@@ -16,6 +18,8 @@ re-runs its processing, and on CPU its prepacked GEMM copy would keep the first 
 
 from __future__ import annotations
 
+import os
+import struct
 from typing import Any
 
 
@@ -23,9 +27,7 @@ class WorkerExtension:
     model_runner: Any  # set by vLLM on the worker this class extends
 
     def jetrl_load_weights(self, path: str) -> int:
-        from safetensors.torch import load_file
-
-        tensors = load_file(path)
+        tensors = _mapped_tensors(path)
         self.model_runner.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
         model = self.model_runner.get_model()
         for module in model.modules():
@@ -35,6 +37,53 @@ class WorkerExtension:
         for module in _sharing_a_weight(model):
             module.quant_method.process_weights_after_loading(module)
         return len(tensors)
+
+
+_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+}
+
+
+def _mapped_tensors(path: str) -> dict[str, Any]:
+    """The tensors of a safetensors file as views of the file mapped copy-on-write (a file in
+    /dev/shm is read where it lies; nothing writes to the views). One that would lie misaligned
+    for its dtype is copied."""
+    import json
+    import mmap
+
+    import torch
+
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    (n,) = struct.unpack("<Q", mapped[:8])
+    header = json.loads(mapped[8 : 8 + n])
+    header.pop("__metadata__", None)
+    base = 8 + n
+    out = {}
+    for name, info in header.items():
+        dtype = getattr(torch, _DTYPES[info["dtype"]])
+        begin = info["data_offsets"][0]
+        count = 1
+        for d in info["shape"]:
+            count *= int(d)
+        if count == 0:
+            out[name] = torch.empty(info["shape"], dtype=dtype)
+            continue
+        t = torch.frombuffer(mapped, dtype=dtype, count=count, offset=base + begin).view(info["shape"])
+        out[name] = t if t.data_ptr() % t.element_size() == 0 else t.clone()
+    return out
 
 
 def _sharing_a_weight(model: Any) -> list[Any]:

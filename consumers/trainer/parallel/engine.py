@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
     from jetrl.consumers.trainer.parallel.sharded import ShardedPolicy
     from jetrl.policy.train import Rollout
+    from jetrl.policy.weights import ExportedWeights
 
 log = structlog.get_logger("jetrl.trainer.ranks")
 
@@ -71,8 +72,8 @@ class ParallelTrainEngine:
         digest: str = self._run("checksum")
         return digest
 
-    def export_weights(self, metadata: Mapping[str, str]) -> tuple[bytes | bytearray, str]:
-        out: tuple[bytearray, str] = self._run("export_weights", dict(metadata))
+    def export_weights(self, metadata: Mapping[str, str]) -> ExportedWeights:
+        out: ExportedWeights = self._run("export_weights", dict(metadata))
         return out
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:

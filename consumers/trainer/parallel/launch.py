@@ -5,7 +5,9 @@
 
 Under torchrun, rank 0 runs ``MODULE`` as ``__main__`` (the trainer part, ``jetrl replay``)
 and every other rank serves it; a rank that rank 0 started itself (group.py) serves too, and
-exits when rank 0's process is gone.
+exits when rank 0's process is gone. :data:`TORCHRUN` is the parallel engine's launch
+(registered with it, jetrl/plugins.py): the torchrun command that runs this module. Torch-free
+until a rank serves.
 """
 
 from __future__ import annotations
@@ -15,8 +17,54 @@ import runpy
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from jetrl.bus.log import configure
+from jetrl.consumers.trainer.engine import Nodes, TrainLaunch
+
+if TYPE_CHECKING:
+    from jetrl.consumers.trainer.settings import TrainerSettings
+
+
+class TorchrunLaunch(TrainLaunch):
+    """The parallel engine's ranks under torchrun, global rank 0 running the trainer part and
+    the others serving rank 0; one rank runs as the part itself. Over several nodes each node
+    runs this with its own ``node_rank``, and ranks are numbered by node (static rendezvous at
+    rank 0's node), so rank 0 is always on node 0. torchrun restarts nothing (``--max-restarts
+    0``): a rank that dies ends the group, and whatever started the trainer restarts it as it
+    restarts any part; it then rebuilds from its newest checkpoint and the log."""
+
+    def fits(self, trainer: TrainerSettings) -> bool:
+        return trainer.parallelism.world_size > 1
+
+    def check(self, trainer: TrainerSettings) -> None:
+        pass  # any world size (ParallelismSettings refuses what no rank can run)
+
+    def command(self, argv: list[str], trainer: TrainerSettings, nodes: Nodes) -> list[str]:
+        world = trainer.parallelism.world_size
+        nodes.check(world)
+        if world == 1:
+            return argv
+        python, _, module, *rest = argv
+        if nodes.nnodes == 1:
+            where = ["--standalone", "--nproc-per-node", str(world)]
+        else:
+            assert nodes.master is not None  # checked above
+            host, _, port = nodes.master.rpartition(":")
+            where = [
+                *("--nnodes", str(nodes.nnodes), "--node-rank", str(nodes.node_rank)),
+                *("--nproc-per-node", str(world // nodes.nnodes)),
+                *("--master-addr", host, "--master-port", port),
+            ]
+        return [
+            *(python, "-m", "torch.distributed.run", *where),
+            *("--max-restarts", "0", "--monitor-interval", "0.5"),
+            # "--": torchrun's parser would take the part's --run for an abbreviation of its --run-path.
+            *("-m", "jetrl.consumers.trainer.parallel.launch", "--", module, *rest),
+        ]
+
+
+TORCHRUN = TorchrunLaunch()
 
 
 def _exit_with_parent(parent: int) -> None:

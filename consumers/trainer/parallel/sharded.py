@@ -57,7 +57,7 @@ from jetrl.policy.train import (
     make_optimizer,
     set_deterministic,
 )
-from jetrl.policy.weights import META_LAYOUT, Hasher, SafetensorsBuffer, canonical_order
+from jetrl.policy.weights import META_LAYOUT, ExportedWeights, Hasher, SafetensorsBuffer, canonical_order
 
 # Gathering an expert weight sharded over ep and efsdp takes two all-gathers, and torch warns
 # about it at every checksum; the order is fixed, so the result is the same every time.
@@ -120,7 +120,7 @@ class ShardedPolicy:
                 buf.copy_(_placed_like(buf, full.to(group.device)))
         del source, mine
         self.optimizer = make_optimizer(model, lr=s.lr, weight_decay=s.weight_decay)
-        self.loss_cfg = LossConfig(kl_coef=s.kl_coef, entropy_coef=s.entropy_coef)
+        self.loss_cfg = LossConfig.clipped(s.ratio_clip, kl_coef=s.kl_coef, entropy_coef=s.entropy_coef)
         self.replay = s.replay and self.mcfg.is_moe
         self.last_token_stats: list[torch.Tensor] | None = None
         # Names and per-expert tensors of Hugging Face's layout, one tensor at a time (a meta
@@ -231,9 +231,10 @@ class ShardedPolicy:
                 h.add(name, t)
         return None if h is None else h.hexdigest()
 
-    def export_weights(self, metadata: Mapping[str, str] | None) -> tuple[bytearray, str] | None:
+    def export_weights(self, metadata: Mapping[str, str] | None) -> ExportedWeights | None:
         """The safetensors bytes of the full weights (Hugging Face layout when the run asks for
-        it), gathered tensor by tensor into one buffer on rank 0, and their checksum."""
+        it), gathered tensor by tensor into one buffer on rank 0, their checksum and transfer
+        digest (taken as each tensor is copied into place, policy/weights.py)."""
         hf = self.s.weights_layout == "hf"
         sd = self.model.state_dict()
         buf = h = None
@@ -247,13 +248,15 @@ class ShardedPolicy:
             buf, h = SafetensorsBuffer(specs, meta_out), Hasher()
         for name, t in self._full_tensors():
             if buf is not None and h is not None and t is not None:
+                if not hf:
+                    buf.put(name, t.contiguous(), checksum=h)  # hashed from the copy as it is made
+                    continue
                 h.add(name, t)
-                for out_name, out in (self._to_hf({name: t}) if hf else {name: t}).items():
+                for out_name, out in self._to_hf({name: t}).items():
                     buf.put(out_name, out.contiguous())
         if buf is None or h is None:
             return None
-        digest = h.hexdigest()
-        return buf.finish(digest), digest
+        return buf.finish(h.hexdigest())
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor] | None) -> None:
         """Full tensors on rank 0 become every rank's shards: each broadcast, then cut to the

@@ -22,7 +22,7 @@ import torch
 from jetrl.consumers.trainer.core import TrainCore, checkpoint_path
 from jetrl.consumers.trainer.local_engine import LocalTrainEngine
 from jetrl.policy.train import Rollout
-from jetrl.policy.weights import weights_from_bytes
+from jetrl.policy.weights import transfer_digest, weights_from_bytes
 from tests.support.parallel_run import CKPT_AFTER, MODEL, ROLLOUTS, STEPS, part
 
 pytestmark = pytest.mark.slow  # each layout starts a group of ranks
@@ -119,8 +119,9 @@ def test_a_parallel_step_equals_the_single_process_step(trained: Any) -> None:
     if eng.mcfg.is_moe:  # the random traces are not what the router would pick: replay decided
         assert any(bool(s[:, 1].any()) for s in got["stats"][0])
     # Four steps later the weights are still the single-process weights, to float rounding.
-    data, digest = got["export"]
+    data, digest, blake3 = got["export"]
     assert digest == got["checksums"][-1]
+    assert blake3 == transfer_digest(data)  # the digest the gathered bytes were sent with
     tensors, stored = weights_from_bytes(data, model_cfg=eng.mcfg)  # HF layout, converted back
     assert stored == digest
     ref = eng.model.state_dict()

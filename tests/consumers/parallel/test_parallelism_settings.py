@@ -15,6 +15,9 @@ def test_world_size_and_the_engine_it_picks() -> None:
     assert TrainerSettings().engine_name == "local"
     assert TrainerSettings(parallelism=ParallelismSettings(dp_shard=2)).engine_name == "parallel"
     assert TrainerSettings(engine="pkg.mod:Engine", parallelism=par).engine_name == "pkg.mod:Engine"
+    # What a run records (RunStarted's config) is the engine that runs, not "auto".
+    assert TrainerSettings(parallelism=ParallelismSettings(dp_shard=2)).model_dump()["engine"] == "parallel"
+    assert TrainerSettings.model_validate(TrainerSettings().model_dump()).engine == "local"
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,1 @@
+../../jetrl/plugins.py

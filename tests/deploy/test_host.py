@@ -1,0 +1,83 @@
+"""Parts as tasks of one process (deploy/host.py) and how the supervisor groups them
+(deploy/parts.py PartCommands.hosted). A whole run with a host killed twice is in
+tests/system/test_faults.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from jetrl.deploy.config import load_config
+from jetrl.deploy.host import load_parts, run_parts
+from jetrl.deploy.parts import PartCommand, PartCommands
+
+
+async def test_a_failing_part_stops_the_others_and_the_process_fails() -> None:
+    seen: list[str] = []
+
+    async def fails(stop: asyncio.Event) -> int:
+        await asyncio.sleep(0.05)
+        raise RuntimeError("boom")
+
+    async def waits(stop: asyncio.Event) -> int:
+        await stop.wait()
+        seen.append("stopped")
+        return 0
+
+    stop = asyncio.Event()
+    code = await asyncio.wait_for(run_parts([("a", fails), ("b", waits)], stop), 10)
+    assert code == 1 and stop.is_set() and seen == ["stopped"]
+
+
+async def test_parts_that_return_leave_the_others_running_and_the_largest_code_wins() -> None:
+    stop = asyncio.Event()
+
+    async def early(stop: asyncio.Event) -> int:
+        return 3
+
+    async def late(stop: asyncio.Event) -> int:
+        await asyncio.sleep(0.1)
+        assert not stop.is_set()  # the early one's return did not stop it
+        return 0
+
+    assert await asyncio.wait_for(run_parts([("a", early), ("b", late)], stop), 10) == 3
+
+
+def test_a_module_without_a_part_entry_is_refused() -> None:
+    with pytest.raises(SystemExit, match="is not a part"):
+        load_parts([{"module": "jetrl.deploy.config", "args": []}])
+    ((_, task),) = load_parts([{"module": "jetrl.producers", "args": ["--nats-url", "x", "--run", "r"]}])
+    assert callable(task)
+
+
+def test_hosted_groups_followers_apart_and_keeps_commands_that_cannot_be_hosted(tmp_path: Path) -> None:
+    cfg = load_config(None, ["--inference.workers", "2"])
+    cmds = PartCommands(cfg, "r", tmp_path, "nats://127.0.0.1:1")
+    py = [sys.executable, "-m"]
+    parts = [
+        PartCommand("env-0", [*py, "jetrl.producers", "--run", "r"], kind="producer"),
+        PartCommand(
+            "inference-0", [*py, "jetrl.consumers.inference", "--worker-id", "inf-0"], 2, "inference"
+        ),
+        PartCommand(
+            "inference-1", [*py, "jetrl.consumers.inference", "--worker-id", "inf-1"], 2, "inference"
+        ),
+        PartCommand("trainer", ["torchrun", "--nproc-per-node", "2"], kind="trainer"),
+        PartCommand("recorder", [*py, "jetrl.consumers.recorder"], kind="recorder"),
+        PartCommand("monitor", [*py, "jetrl.consumers.monitor"], kind="monitor"),
+    ]
+    out = {c.name: c for c in cmds.hosted(parts, ["producer", "inference", "trainer", "recorder", "monitor"])}
+    assert set(out) == {"host-producer-inference", "host-recorder-monitor", "trainer"}
+    work, follow = out["host-producer-inference"], out["host-recorder-monitor"]
+    assert (work.follows, follow.follows, out["trainer"].follows) == (False, True, False)
+    assert work.threads == 2 and work.argv[2] == "jetrl.deploy.host"
+    spec = json.loads(Path(work.argv[-1][1:]).read_text())
+    assert [e["module"] for e in spec] == ["jetrl.producers", *["jetrl.consumers.inference"] * 2]
+    assert spec[2]["args"] == ["--worker-id", "inf-1"]
+    # One part of a kind is left as it is; kinds not named are never hosted.
+    alone = cmds.hosted(parts, ["recorder"])
+    assert [c.name for c in alone] == [p.name for p in parts]
