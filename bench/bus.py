@@ -8,8 +8,8 @@ One private nats-server, one run: each round publishes the same events through
 and consumes them back through
   * raw nats-py: ``pull_subscribe`` + ``fetch`` + msgspec decode + ack;
   * jetrl: ``PullConsumer.fetch`` (strict envelope/body decode, tenant/run checks) + ack.
-Workloads: small events (heartbeats, ~150 B) and rollout-sized events (RolloutScored with an
-8k-token completion, its logprobs and a 512-token prompt inline, ~66 KB). Rounds alternate
+Workloads: small events (heartbeats, ~150 B) and rollout-sized events (a RolloutsScored of one
+episode with an 8k-token completion, its logprobs and a 512-token prompt inline, ~66 KB). Rounds alternate
 which side goes first; medians are reported, with jetrl/raw ratios.
 
     python bench/bus.py [--small 20000] [--large 2000] [--rounds 3] [--load N]
@@ -64,21 +64,26 @@ def rollout_events(run_id: str, n: int) -> list[ev.Event]:
     prompt = inline_array(rng.integers(0, 150_000, 512, dtype=np.int32))
     out = []
     for i in range(n):
-        body = ev.RolloutScored(
-            rollout_id=f"swe.acme.{i // 8}-{i % 8}",
+        # One rollout an event: an agentic episode's, as a multi-turn environment scores it.
+        body = ev.RolloutsScored(
             generation_event_id=ev.new_event_id(),
             task_id=f"swe.acme.{i // 8}",
             env="swe",
             group_id=f"swe.acme.{i // 8}",
-            sample_index=i % 8,
             group_size=8,
-            reward=float(i % 2),
-            reward_parts={"tests": float(i % 2)},
             prompt_tokens=prompt,
-            completion_tokens=inline_array(rng.integers(0, 150_000, 8192, dtype=np.int32)),
-            logprobs=inline_array(-rng.random(8192, dtype=np.float32)),
-            policy_version_start=i // 64,
-            policy_version_end=i // 64,
+            rollouts=[
+                ev.ScoredRollout(
+                    rollout_id=f"swe.acme.{i // 8}-{i % 8}",
+                    sample_index=i % 8,
+                    reward=float(i % 2),
+                    reward_parts={"tests": float(i % 2)},
+                    completion_tokens=inline_array(rng.integers(0, 150_000, 8192, dtype=np.int32)),
+                    logprobs=inline_array(-rng.random(8192, dtype=np.float32)),
+                    policy_version_start=i // 64,
+                    policy_version_end=i // 64,
+                )
+            ],
         )
         out.append(ev.new_event(body, run_id=run_id, tenant="acme"))
     return out

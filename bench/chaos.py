@@ -69,7 +69,9 @@ async def deliverable_to_trainer(url: str, run_id: str) -> set[str]:
     while empty < 3:
         batch = await c.fetch(1000, timeout=2.0)
         empty = 0 if batch else empty + 1
-        out.update(d.event.body.rollout_id for d in batch if isinstance(d.event.body, ev.RolloutScored))
+        for d in batch:
+            if isinstance(d.event.body, ev.RolloutsScored):
+                out.update(r.rollout_id for r in d.event.body.rollouts)
     await bus.close()
     return out
 
@@ -159,7 +161,7 @@ async def chaos(root: Path, steps: int, kills: int, seed: int) -> ChaosResult:
         log = await read_log(srv.url, run_id)
         step_bodies = [e.body for e in log if isinstance(e.body, ev.StepCompleted)]
         trained = Counter(rid for s in step_bodies for rid in s.rollout_ids)
-        scored = {e.body.rollout_id for e in log if isinstance(e.body, ev.RolloutScored)}
+        scored = {r.rollout_id for e in log if isinstance(e.body, ev.RolloutsScored) for r in e.body.rollouts}
         withheld = {e.body.rollout_id for e in log if isinstance(e.body, ev.RolloutWithheld)}
         pending = await deliverable_to_trainer(srv.url, run_id)
         lost = scored - set(trained) - withheld - pending

@@ -12,7 +12,7 @@ on a GPU, so the figures are the scheduler's and the bus's, in about half a minu
   same submissions to one shared FIFO consumer (a run without tenants), where B waits for A's
   whole flood.
 * latency: B alone submits ``--tasks`` tasks one every ``--pace-ms``; its median task latency
-  (TaskSubmitted's time to its group's GenerationCompleted) is the baseline. Then A floods
+  (TaskSubmitted's time to its CompletionsGenerated) is the baseline. Then A floods
   ``10 x --tasks`` tasks and B submits the same paced tasks; B's median latency over its tasks
   submitted while A still had work queued, against the baseline. Target <= 2x: a task of B waits
   for the batch in flight and joins the next.
@@ -171,11 +171,11 @@ async def run_phase(
             run_id, filter_subject=subjects.generation_subject(run_id), idle_timeout=STALL_S
         ):
             g = item.event.body if item.event else None
-            if not isinstance(g, ev.GenerationCompleted) or item.event is None:
+            if not isinstance(g, ev.CompletionsGenerated) or item.event is None:
                 continue
-            ph.samples.append((item.event.time, item.event.tenant, 1))
-            got[g.task_id] = got.get(g.task_id, 0) + 1
-            if got[g.task_id] == g.group_size:
+            ph.samples.append((item.event.time, item.event.tenant, len(g.samples)))
+            got[g.task_id] = got.get(g.task_id, 0) + len(g.samples)
+            if got[g.task_id] >= args.group:
                 ph.done[g.task_id] = item.event.time
             if len(ph.done) == flood + b_tasks:
                 break

@@ -7,11 +7,12 @@ CPU cost; beside a bare ordered consumer reading the same kind of log at the sam
 One private nats-server. Two phases, each on a fresh run stream, each with the same load:
 
 * load: a process of its own publishes a run's mix at ``--rate`` events/s for ``--seconds``:
-  per group a TaskSubmitted (the prompt as a token list), ``--group-size`` GenerationCompleted
-  (completion tokens and log-probs inline, as the inference worker carries small arrays) each
-  followed by its RolloutScored (LogArray references to the generation's arrays, as the
-  producer writes them), a StepCompleted every ``--groups`` groups (the rollout ids and
-  sequences, the trainer's metrics) and a WorkerHeartbeat of each of 5 workers every second.
+  per group a TaskSubmitted (the prompt as a token list), its CompletionsGenerated (the
+  ``--group-size`` samples' completion tokens and log-probs inline, as the inference worker
+  carries small arrays; the prompt by reference to the task) and its RolloutsScored (LogArray
+  references to the generation's arrays, as the producer writes them), a StepCompleted every
+  ``--groups`` groups (the rollout ids and sequences, the trainer's metrics) and a
+  WorkerHeartbeat of each of 5 workers every second.
   Events are made with ``new_event`` at the moment they are sent (their envelope time is the
   publish time) and published with core NATS publishes onto the stream's subjects (no ack
   awaited), paced on the wall clock in bursts of a few milliseconds' worth. A machine that
@@ -21,7 +22,7 @@ One private nats-server. Two phases, each on a fresh run stream, each with the s
     ``Bus.tail`` subscribes) whose callback counts each message and, for every 8th, reads the
     envelope's time (one field, msgspec) for the lag;
   - monitor: ``reader.follow(bus, state)`` from the start of the log into a MonitorState whose
-    ``apply`` notes ``time.time() - event.time`` of every record before folding it.
+    ``apply`` notes ``time.time() - event.time`` of every fact before folding it.
   Its window runs from the first message to the moment it has read every event the stream
   stored (or ``--catch-up`` seconds after the load ended, whichever comes first); its CPU time
   over that window (``time.process_time``: the whole process, every thread) over the window's
@@ -70,12 +71,12 @@ from jetrl.bus import events as ev
 from jetrl.bus import subjects
 from jetrl.bus.client import Bus
 from jetrl.bus.log import configure
-from jetrl.bus.payloads import inline_array, log_array
+from jetrl.bus.payloads import inline_array, log_array, token_list_ref
 from jetrl.bus.server import EmbeddedServer
 from jetrl.bus.streams import GiB, StreamLimits, stream_name
 from jetrl.consumers.monitor import reader
-from jetrl.consumers.monitor import records as rec
 from jetrl.consumers.monitor.series import TRAINER_METRICS, MonitorState, StepPoint
+from jetrl.store import readmodel as rec
 
 LIMITS = StreamLimits(max_bytes=4 * GiB, payload_max_bytes=64 * 1024**2)
 TENANTS = ("acme", "globex")
@@ -158,7 +159,7 @@ class LoadMix:
             for _ in range(self.groups):
                 tenant, env = rng.choice(TENANTS), rng.choice(ENVS)
                 task_id = f"{env}.{tenant}.{uuid.uuid4().hex}"
-                prompt_list, prompt = rng.choice(self.prompts)
+                prompt_list, _ = rng.choice(self.prompts)
                 seq += 1
                 yield (
                     ev.TaskSubmitted(
@@ -172,58 +173,69 @@ class LoadMix:
                     tenant,
                     ev.new_event_id(),
                 )
-                for i in range(g_size):
-                    completion, logprobs = rng.choice(self.completions)
-                    v_start = max(0, version - (rng.random() < 0.2))
-                    gen_id = ev.new_event_id()
-                    seq += 1
-                    gen_seq = seq
-                    yield (
-                        ev.GenerationCompleted(
-                            generation_id=f"{task_id}-{i}",
-                            task_id=task_id,
-                            env=env,
-                            group_id=task_id,
-                            sample_index=i,
-                            group_size=g_size,
-                            prompt_tokens=prompt,
-                            completion_tokens=completion,
-                            logprobs=logprobs,
-                            policy_version_start=v_start,
-                            policy_version_end=version,
-                            worker_id=rng.choice(INFERENCE_WORKERS),
-                            finish_reason="length" if completion.shape[0] >= 1024 else "stop",
-                            timings=ev.GenerationTimings(
-                                queued_s=round(rng.uniform(0.0, 2.0), 4),
-                                generate_s=round(rng.uniform(0.5, 8.0), 4),
-                                load_wait_s=round(rng.uniform(0.0, 0.3), 4) if rng.random() < 0.1 else 0.0,
-                            ),
+                task_seq = seq
+                v_start = max(0, version - (rng.random() < 0.2))
+                drawn = [rng.choice(self.completions) for _ in range(g_size)]
+                seq += 1
+                gen_seq = seq
+                gen_id = ev.new_event_id()
+                yield (
+                    ev.CompletionsGenerated(
+                        task_id=task_id,
+                        env=env,
+                        prompt_tokens=token_list_ref(task_seq, "prompt_tokens", prompt_list),
+                        samples=[
+                            ev.Completion(
+                                generation_id=f"{task_id}-{i}",
+                                sample_index=i,
+                                completion_tokens=completion,
+                                logprobs=logprobs,
+                                finish_reason="length" if completion.shape[0] >= 1024 else "stop",
+                            )
+                            for i, (completion, logprobs) in enumerate(drawn)
+                        ],
+                        policy_version_start=v_start,
+                        policy_version_end=version,
+                        worker_id=rng.choice(INFERENCE_WORKERS),
+                        timings=ev.GenerationTimings(
+                            queued_s=round(rng.uniform(0.0, 2.0), 4),
+                            generate_s=round(rng.uniform(0.5, 8.0), 4),
+                            load_wait_s=round(rng.uniform(0.0, 0.3), 4) if rng.random() < 0.1 else 0.0,
                         ),
-                        tenant,
-                        gen_id,
-                    )
-                    reward = float(rng.random() < 0.4)
-                    seq += 1
-                    yield (
-                        ev.RolloutScored(
-                            rollout_id=f"{task_id}-{i}",
-                            generation_event_id=gen_id,
-                            task_id=task_id,
-                            env=env,
-                            group_id=task_id,
-                            sample_index=i,
-                            group_size=g_size,
-                            reward=reward,
-                            reward_parts={"correct": reward, "format": 1.0},
-                            prompt_tokens=log_array(gen_seq, "prompt_tokens", prompt),
-                            completion_tokens=log_array(gen_seq, "completion_tokens", completion),
-                            logprobs=log_array(gen_seq, "logprobs", logprobs),
-                            policy_version_start=v_start,
-                            policy_version_end=version,
-                        ),
-                        tenant,
-                        ev.new_event_id(),
-                    )
+                    ),
+                    tenant,
+                    gen_id,
+                )
+                rewards = [float(rng.random() < 0.4) for _ in drawn]
+                seq += 1
+                yield (
+                    ev.RolloutsScored(
+                        generation_event_id=gen_id,
+                        task_id=task_id,
+                        env=env,
+                        group_id=task_id,
+                        group_size=g_size,
+                        prompt_tokens=token_list_ref(task_seq, "prompt_tokens", prompt_list),
+                        rollouts=[
+                            ev.ScoredRollout(
+                                rollout_id=f"{task_id}-{i}",
+                                sample_index=i,
+                                reward=rewards[i],
+                                reward_parts={"correct": rewards[i], "format": 1.0},
+                                completion_tokens=log_array(
+                                    gen_seq, f"samples.{i}.completion_tokens", completion
+                                ),
+                                logprobs=log_array(gen_seq, f"samples.{i}.logprobs", logprobs),
+                                policy_version_start=v_start,
+                                policy_version_end=version,
+                            )
+                            for i, (completion, logprobs) in enumerate(drawn)
+                        ],
+                    ),
+                    tenant,
+                    ev.new_event_id(),
+                )
+                for i, (completion, _) in enumerate(drawn):
                     rollout_ids.append(f"{task_id}-{i}")
                     rollout_seqs.append(seq)
                     tokens += completion.shape[0]
@@ -347,13 +359,13 @@ class Meter:
 
 
 class TimedState(MonitorState):
-    """The monitor's fold, noting each record's lag (now minus its event's time) first."""
+    """The monitor's fold, noting each fact's lag (now minus its event's time) first."""
 
     def __init__(self, run_id: str, meter: Meter) -> None:
         super().__init__(run_id)
         self.meter = meter
 
-    def apply(self, r: rec.Record) -> StepPoint | None:
+    def apply(self, r: rec.Fact) -> StepPoint | None:
         m = self.meter
         if m.t0 is None:
             m.start()

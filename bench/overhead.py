@@ -12,13 +12,14 @@ reward target (a 10-step mean of 0.92) and are timed from start to the step that
 Asynchrony must pay for the bus: the target is jetrl <= 1.0x of the one-process loop, the
 floor 1.5x.
 
-    python bench/overhead.py [--seeds 0 1 2] [--max-steps 1500]
+    python bench/overhead.py [--seeds 0 1 2 3 4] [--max-steps 1500]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import os
 import random
 import statistics
@@ -34,6 +35,7 @@ from jetrl.bus.server import EmbeddedServer
 from jetrl.consumers.trainer.engine import make_train_engine
 from jetrl.consumers.trainer.local_engine import LocalTrainEngine
 from jetrl.deploy.config import RunConfig, load_config
+from jetrl.deploy.launcher import fork_server
 from jetrl.deploy.supervisor import Supervisor
 from jetrl.policy.loss import group_advantages
 from jetrl.policy.sampling import SamplingConfig, generate, inference_copy
@@ -45,8 +47,12 @@ from jetrl.producers.environments import make_environment
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def one_process(cfg: RunConfig, root: Path, threads: int) -> tuple[float | None, int]:
-    """Seconds to the reward target (None if not reached) and the steps taken."""
+def one_process(
+    cfg: RunConfig, root: Path, threads: int, *, lag: int = 0, curve: list[float] | None = None
+) -> tuple[float | None, int]:
+    """Seconds to the reward target (None if not reached) and the steps taken. ``lag``: each
+    batch sampled by the version ``lag`` steps old (bench/offpolicy.py), not the newest;
+    ``curve`` collects each step's mean reward."""
     t0 = time.perf_counter()
     part = cfg.trainer_part(root)
     part = part.model_copy(update={"trainer": part.trainer.model_copy(update={"threads": threads})})
@@ -62,7 +68,12 @@ def one_process(cfg: RunConfig, root: Path, threads: int) -> tuple[float | None,
     generator = torch.Generator().manual_seed(cfg.run.seed)
     window: deque[float] = deque(maxlen=cfg.trainer.reward_window)
     target = cfg.trainer.stop_at_reward
+    # The last lag + 1 versions' weights: version s - lag samples step s.
+    versions: deque[dict[str, torch.Tensor]] = deque(maxlen=lag + 1)
     for step in range(cfg.trainer.max_steps):
+        if lag:
+            versions.append(copy.deepcopy(model.state_dict()))
+            load_into(sampler, versions[0])
         tasks = [env.make_task(rng) for _ in range(cfg.trainer.batch_groups)]
         prompts = [t.prompt_tokens for t in tasks for _ in range(env_cfg.group_size)]
         sampling = SamplingConfig(
@@ -87,14 +98,20 @@ def one_process(cfg: RunConfig, root: Path, threads: int) -> tuple[float | None,
                 for i, g in enumerate(gens)
             ]
         )
-        load_into(sampler, model.state_dict())
+        if not lag:
+            load_into(sampler, model.state_dict())
         window.append(float(rewards.mean()))
+        if curve is not None:
+            curve.append(window[-1])
         if target is not None and len(window) == window.maxlen and sum(window) / len(window) >= target:
             return time.perf_counter() - t0, step + 1
     return None, cfg.trainer.max_steps
 
 
 def with_jetrl(cfg: RunConfig, url: str, root: Path, run_id: str) -> tuple[float | None, int]:
+    # The parts' imports (torch, torchtitan) are done once by the fork server they are forked
+    # from; like the one-process loop's, done when this script imported them, they are not timed.
+    fork_server_ready()
     sup = Supervisor(cfg, run_id, root / run_id, nats_url=url, quiet=True)
     t0 = time.monotonic()
     asyncio.run(sup.run())
@@ -108,9 +125,17 @@ def with_jetrl(cfg: RunConfig, url: str, root: Path, run_id: str) -> tuple[float
     return (elapsed if reached else None), len(steps)
 
 
+def fork_server_ready() -> None:
+    """The fork server started and its modules imported (it is this process's from then on):
+    its first fork waits for them."""
+    p = fork_server().Process(target=int)
+    p.start()
+    p.join()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     ap.add_argument("--max-steps", type=int, default=1500)
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     args = ap.parse_args()
@@ -140,6 +165,11 @@ def main() -> None:
         print(
             f"overhead jetrl/one-process {statistics.median(ratios):.2f}x median of {len(ratios)} seeds "
             "(target <= 1.0x, floor 1.5x)"
+        )
+        steps = [jet_n / one_n for _, one_s, one_n, jet_s, jet_n in rows if one_s and jet_s]
+        print(
+            f"steps to target jetrl (max_off_policy_steps {cfg.trainer.max_off_policy_steps})/one process "
+            f"(on-policy) {statistics.median(steps):.2f}x median of {len(steps)} seeds (target <= 1.2x)"
         )
     else:
         one = sum(1 for _, one_s, _, _, _ in rows if one_s is not None)

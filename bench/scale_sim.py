@@ -191,20 +191,24 @@ def stored(refs: list[ev.ArrayRef | None]) -> list[ev.PayloadRef]:
     return [r for r in refs if isinstance(r, ev.PayloadRef)]
 
 
-def scorer_reads(g: ev.GenerationCompleted, shape: Shape) -> list[ev.PayloadRef]:
-    """What the producer's scorer reads of a generation (producers/producer.py): its
-    completion, its logprobs (a multi-turn episode), the first prompt (an episode's first turn)."""
-    refs: list[ev.ArrayRef | None] = [g.completion_tokens]
-    if shape.turns > 1:
-        refs.append(g.logprobs)
-        if g.turn == 0:
-            refs.append(g.prompt_tokens)
+def scorer_reads(g: ev.CompletionsGenerated, shape: Shape) -> list[ev.PayloadRef]:
+    """What the producer's scorer reads of a generation (producers/producer.py): each sample's
+    completion, and its logprobs in a multi-turn episode (the prompt is the task's, which the
+    producer holds)."""
+    refs: list[ev.ArrayRef | None] = []
+    for smp in g.samples:
+        refs.append(smp.completion_tokens)
+        if shape.turns > 1:
+            refs.append(smp.logprobs)
     return stored(refs)
 
 
-def trainer_reads(r: ev.RolloutScored) -> list[ev.PayloadRef]:
-    """What the trainer reads of a scored rollout (consumers/trainer/trainer.py vet)."""
-    return stored([r.prompt_tokens, r.completion_tokens, r.logprobs, r.completion_mask, r.routing_trace])
+def trainer_reads(b: ev.RolloutsScored) -> list[ev.PayloadRef]:
+    """What the trainer reads of a group's scored rollouts (consumers/trainer/trainer.py vet)."""
+    refs: list[ev.ArrayRef | None] = [b.prompt_tokens]
+    for r in b.rollouts:
+        refs += [r.completion_tokens, r.logprobs, r.completion_mask, r.routing_trace]
+    return stored(refs)
 
 
 def trace_class(name: str) -> str:
@@ -288,7 +292,6 @@ async def simulate_group(
         max_tokens=shape.tokens,
     )
     await sink.emit(ev.new_event(task0, run_id=run, tenant=TENANT))
-    prompt0 = await sink.array(f"prompt-{gid}", sink.tokens(first.history))
     last_trace: dict[int, ev.ArrayRef | None] = {}
     first_prompt = sink.tokens(shape.prompt).tolist()
     mask: list[int] = []
@@ -327,25 +330,31 @@ async def simulate_group(
                     worker_hint="inf-0",
                 )
                 await sink.emit(ev.new_event(task, run_id=run, tenant=TENANT))
+        # consumers/inference/worker.py: one CompletionsGenerated a task (the group's G samples
+        # on the first turn, one sample on each episode's later turn), the prompt by reference.
+        samples: dict[int, ev.Completion] = {}
+        for i in range(shape.group_size):
             name = f"{gid}-{i}-{k}"
-            prompt = prompt0 if k == 0 else await sink.array(f"prompt-{name}", sink.tokens(turn.history))
             rows = turn.history + turn.completion - 1
             dtype = np.uint8 if shape.trace_itemsize == 1 else np.uint16
             # A view of one zero: no memory until a store needs the bytes.
             zeros = np.broadcast_to(np.zeros(1, dtype), (rows, shape.moe_layers, shape.top_k))
             trace = await sink.array(f"trace-{name}", zeros)
             last_trace[i] = trace
-            body = ev.GenerationCompleted(
+            samples[i] = ev.Completion(
                 generation_id=generation_of(gid, i, k),
-                task_id=task_of(gid, i, k),
-                env="swe",
-                group_id=gid,
-                sample_index=i,
-                group_size=shape.group_size if k == 0 else 1,
-                prompt_tokens=prompt,
+                sample_index=i if k == 0 else 0,
                 completion_tokens=await sink.array(f"tokens-{name}", sink.tokens(turn.completion)),
                 logprobs=await sink.array(f"logprobs-{name}", sink.logprobs(turn.completion)),
                 routing_trace=trace,
+            )
+        per_task = [list(samples.values())] if k == 0 else [[samples[i]] for i in range(shape.group_size)]
+        for i, group in enumerate(per_task):
+            body = ev.CompletionsGenerated(
+                task_id=task_of(gid, i, k),
+                env="swe",
+                prompt_tokens=ev.LogArray(seq=1, field="prompt_tokens", dtype="int32", shape=(turn.history,)),
+                samples=group,
                 policy_version_start=0,
                 policy_version_end=0,
                 worker_id="inf-0",
@@ -356,47 +365,68 @@ async def simulate_group(
             await sink.emit(ev.new_event(body, run_id=run, tenant=TENANT))
             if on_generation is not None:
                 await on_generation()
-    for i in range(shape.group_size):
+    # producers/producer.py: one RolloutsScored for a single-turn group, one per episode else.
+    if shape.turns == 1:
         await sink.emit(
-            ev.new_event(await rollout_body(sink, gid, i, plan, last_trace[i]), run_id=run, tenant=TENANT)
+            ev.new_event(
+                await rollouts_body(sink, gid, list(range(shape.group_size)), plan, last_trace),
+                run_id=run,
+                tenant=TENANT,
+            )
         )
+    else:
+        for i in range(shape.group_size):
+            await sink.emit(
+                ev.new_event(await rollouts_body(sink, gid, [i], plan, last_trace), run_id=run, tenant=TENANT)
+            )
 
 
-async def rollout_body(
-    sink: Sink, gid: str, i: int, plan: list[Turn], trace: ev.ArrayRef | None
-) -> ev.RolloutScored:
+async def rollouts_body(
+    sink: Sink, gid: str, members: list[int], plan: list[Turn], traces: dict[int, ev.ArrayRef | None]
+) -> ev.RolloutsScored:
     shape = sink.shape
     completion = shape.tokens - shape.prompt
-    common: dict[str, Any] = dict(
-        rollout_id=ids.rollout_id(gid, i),
+    prompt_ref: ev.ArrayRef = ev.LogArray(seq=1, field="prompt_tokens", dtype="int32", shape=(shape.prompt,))
+    rollouts = []
+    for i in members:
+        name = f"{gid}-{i}"
+        common: dict[str, Any] = dict(
+            rollout_id=ids.rollout_id(gid, i),
+            sample_index=i,
+            reward=1.0,
+            reward_parts={"tests": 1.0},
+            routing_trace=traces[i],  # the last turn's, copied (its prompt is the whole history)
+            policy_version_start=0,
+            policy_version_end=0,
+        )
+        if shape.turns == 1:  # its generation's arrays (LogArray in jetrl; inline copies here)
+            rollouts.append(
+                ev.ScoredRollout(
+                    completion_tokens=await sink.array(f"tokens-r{name}", sink.tokens(completion)),
+                    logprobs=await sink.array(f"logprobs-r{name}", sink.logprobs(completion)),
+                    **common,
+                )
+            )
+            continue
+        # producers/producer.py episode_rollout: the whole episode, stored again.
+        prompt_ref = await sink.array(f"episode-prompt-{name}", sink.tokens(shape.prompt))
+        rollouts.append(
+            ev.ScoredRollout(
+                completion_tokens=await sink.array(f"episode-tokens-{name}", sink.tokens(completion)),
+                logprobs=await sink.array(f"episode-logprobs-{name}", sink.logprobs(completion)),
+                completion_mask=await sink.array(f"episode-mask-{name}", np.ones(completion, np.uint8)),
+                turns=len(plan),
+                **common,
+            )
+        )
+    return ev.RolloutsScored(
         generation_event_id=ev.new_event_id(),
         task_id=gid,
         env="swe",
         group_id=gid,
-        sample_index=i,
         group_size=shape.group_size,
-        reward=1.0,
-        reward_parts={"tests": 1.0},
-        routing_trace=trace,  # the last turn's, copied (its prompt is the whole history)
-        policy_version_start=0,
-        policy_version_end=0,
-    )
-    name = f"{gid}-{i}"
-    if shape.turns == 1:  # its generation's arrays (LogArray in jetrl; inline copies here)
-        return ev.RolloutScored(
-            prompt_tokens=await sink.array(f"prompt-r{name}", sink.tokens(shape.prompt)),
-            completion_tokens=await sink.array(f"tokens-r{name}", sink.tokens(completion)),
-            logprobs=await sink.array(f"logprobs-r{name}", sink.logprobs(completion)),
-            **common,
-        )
-    # producers/producer.py episode_rollout: the whole episode, stored again.
-    return ev.RolloutScored(
-        prompt_tokens=await sink.array(f"episode-prompt-{name}", sink.tokens(shape.prompt)),
-        completion_tokens=await sink.array(f"episode-tokens-{name}", sink.tokens(completion)),
-        logprobs=await sink.array(f"episode-logprobs-{name}", sink.logprobs(completion)),
-        completion_mask=await sink.array(f"episode-mask-{name}", np.ones(completion, np.uint8)),
-        turns=len(plan),
-        **common,
+        prompt_tokens=prompt_ref,
+        rollouts=rollouts,
     )
 
 
@@ -470,11 +500,14 @@ class CountingStore:
     held_by_writer = False
     bucket = "paper"
 
-    async def put(self, name: str, data: Buffer) -> ev.PayloadRef:
+    async def put(self, name: str, data: Buffer, *, sha256: bool = True) -> ev.PayloadRef:
         size = data.nbytes if isinstance(data, memoryview) else len(data)
         return ev.PayloadRef(store=self.kind, bucket=self.bucket, name=name, size=size, sha256="0" * 64)
 
     async def get_bytes(self, ref: ev.PayloadRef) -> bytes:
+        raise NotImplementedError("on paper nothing is read back")
+
+    async def read_into(self, ref: ev.PayloadRef, out: memoryview, progress: Callable[[int], None]) -> bool:
         raise NotImplementedError("on paper nothing is read back")
 
     async def discard(self, name: str) -> None:
@@ -490,9 +523,9 @@ async def paper_traffic(shape: Shape, run_id: str = "seed") -> Traffic:
     sink.kept = []
     await simulate_group(sink, 0)
     for e in sink.kept:
-        if isinstance(e.body, ev.GenerationCompleted):
+        if isinstance(e.body, ev.CompletionsGenerated):
             sink.traffic.get["scorer"] += sum(r.size for r in scorer_reads(e.body, shape))
-        elif isinstance(e.body, ev.RolloutScored):
+        elif isinstance(e.body, ev.RolloutsScored):
             sink.traffic.get["trainer"] += sum(r.size for r in trainer_reads(e.body))
     total = Traffic()
     total.add(sink.traffic, shape.groups)
@@ -771,12 +804,12 @@ async def replay_step(
     cpu0, srv0, wall0 = time.process_time(), server_cpu_s(server_pid), time.perf_counter()
 
     async def scorer(e: ev.Event) -> None:
-        if isinstance(e.body, ev.GenerationCompleted):
+        if isinstance(e.body, ev.CompletionsGenerated):
             for r in scorer_reads(e.body, shape):
                 read.get["scorer"] += len(await payloads.get_bytes(r))
 
     async def trainer(e: ev.Event) -> None:
-        if isinstance(e.body, ev.RolloutScored):
+        if isinstance(e.body, ev.RolloutsScored):
             for r in trainer_reads(e.body):
                 read.get["trainer"] += len(await payloads.get_bytes(r))
 
@@ -903,10 +936,14 @@ async def probe_log(bus: Bus, run_id: str, shape: Shape, seconds: float) -> tupl
         store="objstore", bucket="b", name="trace-x", size=final_trace_bytes(shape), sha256="0" * 64
     )
     task = ids.task_id("swe", "probe", 0)
-    body = ev.GenerationCompleted(
-        generation_id=ids.generation_id(task, 0), task_id=task, env="swe", group_id=task,
-        sample_index=0, group_size=1,
-        prompt_tokens=ref, completion_tokens=ref, logprobs=ref, routing_trace=ref,
+    body = ev.CompletionsGenerated(
+        task_id=task, env="swe", prompt_tokens=ref,
+        samples=[
+            ev.Completion(
+                generation_id=ids.generation_id(task, 0), sample_index=0,
+                completion_tokens=ref, logprobs=ref, routing_trace=ref,
+            )
+        ],
         policy_version_start=0, policy_version_end=0, worker_id="inf-0",
     )  # fmt: skip
     pub = bus.publisher(max_inflight=256)

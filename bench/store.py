@@ -78,7 +78,9 @@ from tests.support.synthetic import (
 )
 
 LIMITS = StreamLimits(max_bytes=4 * 1024**3, payload_max_bytes=64 * 1024**2)
-EVENTS_PER_STEP = 154  # of synthetic_run's defaults, to size a run by events
+EVENTS_PER_STEP = (
+    42  # of synthetic_run's defaults (one event per task and per group), to size a run by events
+)
 
 
 @dataclass

@@ -1,10 +1,16 @@
 """Weight sync: from the trainer's publish to every worker holding the new weights.
 
-The bench process plays the trainer: it puts a weights blob into a payload store and hands
-the reference to N worker processes (a pipe line each, standing in for the WeightsReady event);
-each worker reads the bytes through :class:`~jetrl.bus.payloads.Payloads` (size and SHA-256
-checked, as a run's workers do) and says when it holds them. A round's latency is from just
-before the put to the last worker's answer. Stores:
+The bench process plays the trainer: it exports weights (random float32 tensors of the size
+asked) as the trainer does, in one pass that serialises them into the buffer the store sends
+from and takes their checksum and transfer digest on the way (policy/weights.py,
+``export_weights``; timed apart, as ``export``: it is the making of a version, done whatever
+the transport), then, timed, puts that buffer into a payload store and hands the reference to
+N worker processes (a pipe line each, standing in for the WeightsReady event). Each worker
+reads the bytes as a run's workers do (:meth:`~jetrl.bus.payloads.Payloads.get_weights`:
+straight into its buffer, checked once as they land, against the transfer digest, or by the
+store's own reader where it hashes anyway) and holds the tensors, views of that buffer with
+the announced checksum; then it says so. A round's latency is from just before the put to the
+last worker's answer. Stores:
   * ``objstore``: the run's JetStream Object Store bucket, on a private nats-server;
   * ``file``: a directory the processes share (atomic write with fsync, then a read each);
   * ``mooncake``: held by the trainer, pulled by each worker over Mooncake's transfer engine
@@ -12,11 +18,18 @@ before the put to the last worker's answer. Stores:
 Measured in the same run, the floors the stores are compared with:
   * ``memcpy``: one plain memory copy of the same bytes (into a buffer already touched);
   * ``loopback``: the same bytes sent by the trainer over a TCP loopback socket to every
-    worker at once, received into memory (no hash, no store);
-and, for scale, one SHA-256 pass over the bytes (``sha256``): a store's writer hashes what it
-puts, and every reader what it reads, so a store's round holds two passes one after the other.
-Each (size, store) is one warm-up round then ``--repeats`` rounds; medians are reported, with
-ratios to the loopback floor. A round past ``--timeout`` is "too slow to measure", never a crash.
+    worker at once, received into memory (no check, no store); ``+blake3`` beside it, for
+    scale only, is the same with each worker hashing what lands with BLAKE3 as it lands: the
+    least a checked transfer costs here (the target stays against the bare floor);
+and, for scale, one pass of each hash over the bytes: ``sha256`` (the weights checksum's, the
+object store's) and ``blake3`` (the transfer digest a worker checks).
+Each (size, store) is one warm-up round then ``--repeats`` rounds, each store round just after
+a loopback round of its own; medians are reported, a store's ratio being the median of its
+rounds' ratios to the loopback round beside each (this machine is shared: its load changes
+within the minute a size takes, and a floor measured once, a minute before a store, compared
+it with another machine); the loopback floor's line is its first measurement, and a last line
+the median of the loopback rounds run beside the stores'. A round past ``--timeout`` is "too
+slow to measure", never a crash.
 
     python bench/weights.py [--sizes 50,500] [--workers 2] [--repeats 3] [--timeout 180]
 
@@ -43,16 +56,26 @@ from pathlib import Path
 
 import msgspec
 import numpy as np
+import torch
+from blake3 import blake3
 from load import cpu_load
 
 from jetrl.bus import events as ev
 from jetrl.bus.client import Bus
 from jetrl.bus.log import configure
 from jetrl.bus.mooncake import MooncakePayloads
-from jetrl.bus.payloads import FilePayloads, ObjectStorePayloads, Payloads, PayloadStore
+from jetrl.bus.payloads import (
+    Buffer,
+    FilePayloads,
+    ObjectStorePayloads,
+    Payloads,
+    PayloadStore,
+    ReceiveBuffer,
+)
 from jetrl.bus.server import EmbeddedServer
 from jetrl.bus.settings import MooncakeSettings
 from jetrl.bus.streams import GiB, StreamLimits, payload_bucket
+from jetrl.policy.weights import ExportedWeights, export_weights, verified_tensors
 
 MB = 1_000_000
 RUN_ID = "benchweights"
@@ -89,22 +112,37 @@ def size_label(nbytes: int) -> str:
     return f"{nbytes / MB:g} MB"
 
 
-def figure_line(label: str, name: str, t: float | None, nbytes: int, floor: float | None) -> str:
+def figure_line(
+    label: str, name: str, t: float | None, nbytes: int, floor: float | None, paired: float | None = None
+) -> str:
+    """One figure; ``paired``: its ratio to the loopback rounds run beside its own (a store's),
+    instead of to the floor measured before."""
     if t is None:
         return f"  {label:>8}  {name:<9} not measured"
     rate = f"{nbytes / t / 1e9:7.2f} GB/s" if t > 0 else "      - GB/s"
-    r = ratio(t, floor)
+    r = paired if paired is not None else ratio(t, floor)
     rel = f"{r:6.2f}x loopback" if r is not None else "  (no loopback floor)"
     return f"  {label:>8}  {name:<9} {t * 1e3:9.1f} ms  {rate}  {rel}"
 
 
-def summary_line(label: str, medians: dict[str, float | None], floor: float | None) -> str:
-    """The headline figure of one size: the best store against the loopback floor."""
+def summary_line(
+    label: str,
+    medians: dict[str, float | None],
+    floor: float | None,
+    paired: dict[str, float | None] | None = None,
+) -> str:
+    """The headline figure of one size: the best store against the loopback floor (``paired``:
+    each store's median ratio to the loopback round run just before each of its rounds; the
+    best store is then the one of lowest ratio)."""
     best = best_store(medians)
     if best is None:
         return f"weights best store {label}: too slow to measure (no store finished a round)"
     name, t = best
     r = ratio(t, floor)
+    if paired is not None:
+        by_ratio = best_store(paired)
+        if by_ratio is not None:
+            name, r = by_ratio
     if r is None:
         return f"weights best store {label}: {name} {t * 1e3:.1f} ms (loopback floor too slow to measure)"
     verdict = "met" if r <= TARGET else "missed"
@@ -122,33 +160,44 @@ async def worker_main(nats_url: str, root: str) -> None:
     pay = Payloads(
         objstore, FilePayloads(root, objstore.bucket), MooncakePayloads(MooncakeSettings(timeout_s=600))
     )
+    received = ReceiveBuffer()  # the same memory round after round, as a worker's
     print(json.dumps({"ready": True}), flush=True)
     while line := await asyncio.to_thread(sys.stdin.readline):
         msg = json.loads(line)
         out: dict[str, float | str]
         try:
             if msg["op"] == "ref":
-                data = await pay.get_bytes(msgspec.json.decode(msg["ref"], type=ev.PayloadRef))
-                out = {"t": time.monotonic(), "n": len(data)}
-                del data
+                ready = msgspec.json.decode(msg["ready"], type=ev.WeightsReady)
+                data = await pay.get_weights(ready, into=received)  # as the embedded engine does
+                tensors = verified_tensors(data, ready.weights_checksum)  # views: held, ready to load
+                out = {"t": time.monotonic(), "n": data.nbytes}
+                del data, tensors
             else:
-                out = {"t": await asyncio.to_thread(_receive, msg["port"], msg["size"]), "n": msg["size"]}
+                t = await asyncio.to_thread(_receive, msg["port"], msg["size"], msg.get("check", False))
+                out = {"t": t, "n": msg["size"]}
         except Exception as exc:  # reported to the bench, which says so
             out = {"err": f"{type(exc).__name__}: {exc}"}
         print(json.dumps(out), flush=True)
     await bus.close()
 
 
-def _receive(port: int, size: int) -> float:
+def _receive(port: int, size: int, check: bool = False) -> float:
+    """The loopback floor's receiver (``check``: hashing what lands with BLAKE3 as it lands,
+    as a worker checks weights; nothing is compared)."""
     buf = bytearray(size)
     view = memoryview(buf)
+    h = blake3() if check else None
     with socket.create_connection(("127.0.0.1", port)) as s:
         got = 0
         while got < size:
             n = s.recv_into(view[got:], min(size - got, 4 << 20))
             if n == 0:
                 raise ConnectionError(f"the sender closed after {got} of {size} bytes")
+            if h is not None:
+                h.update(view[got : got + n])
             got += n
+    if h is not None:
+        h.digest()
     return time.monotonic()
 
 
@@ -213,19 +262,24 @@ class Workers:
 # --------------------------------------------------------------------------- rounds
 
 
-async def store_round(workers: Workers, store: PayloadStore, name: str, data: bytes, timeout: float) -> float:
+async def store_round(
+    workers: Workers, store: PayloadStore, name: str, weights: ExportedWeights, timeout: float
+) -> float:
     t0 = time.monotonic()
-    ref = await asyncio.wait_for(store.put(name, data), timeout)
-    await workers.tell({"op": "ref", "ref": msgspec.json.encode(ref).decode()})
+    # As the trainer puts them: the transfer digest is the readers' check, no SHA-256 pass here.
+    ref = await asyncio.wait_for(store.put(name, weights.data, sha256=False), timeout)
+    ready = ev.WeightsReady(version=1, location=ref, weights_checksum=weights.checksum, blake3=weights.blake3)
+    await workers.tell({"op": "ref", "ready": msgspec.json.encode(ready).decode()})
     done = await workers.answers(timeout)
-    assert all(int(d["n"]) == len(data) for d in done)
+    assert all(int(d["n"]) == weights.data.nbytes for d in done)
     return max(d["t"] for d in done) - t0
 
 
-async def loopback_round(workers: Workers, data: bytes, timeout: float) -> float:
+async def loopback_round(workers: Workers, data: Buffer, timeout: float, check: bool = False) -> float:
     with socket.create_server(("127.0.0.1", 0)) as srv:
         srv.settimeout(timeout)
-        await workers.tell({"op": "sock", "port": srv.getsockname()[1], "size": len(data)})
+        size = data.nbytes if isinstance(data, memoryview) else len(data)
+        await workers.tell({"op": "sock", "port": srv.getsockname()[1], "size": size, "check": check})
         conns = [(await asyncio.to_thread(srv.accept))[0] for _ in range(workers.n)]
         t0 = time.monotonic()
         senders = [threading.Thread(target=c.sendall, args=(data,), daemon=True) for c in conns]
@@ -239,7 +293,7 @@ async def loopback_round(workers: Workers, data: bytes, timeout: float) -> float
     return max(d["t"] for d in done) - t0
 
 
-def memcpy_s(data: bytes, repeats: int) -> float | None:
+def memcpy_s(data: Buffer, repeats: int) -> float | None:
     src = np.frombuffer(data, dtype=np.uint8)
     dst = np.ones_like(src)  # touched: the floor is the copy, not page faults
     times = []
@@ -250,14 +304,37 @@ def memcpy_s(data: bytes, repeats: int) -> float | None:
     return median(times)
 
 
-def sha256_s(data: bytes, repeats: int) -> float | None:
-    """One SHA-256 pass over the bytes: every store's writer makes one, each reader another."""
+def hash_s(data: Buffer, repeats: int, kind: str) -> float | None:
+    """One pass of ``kind`` (sha256, blake3) over the bytes."""
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        hashlib.sha256(data).digest()
+        hashlib.sha256(data).digest() if kind == "sha256" else blake3(data).digest()
         times.append(time.perf_counter() - t0)
     return median(times)
+
+
+def make_weights(nbytes: int) -> dict[str, torch.Tensor]:
+    """Random float32 tensors of ``nbytes`` in all (16 MB each, the last what is left)."""
+    g = torch.Generator().manual_seed(nbytes)
+    per, left = 4_000_000, nbytes // 4
+    out: dict[str, torch.Tensor] = {}
+    while left > 0:
+        out[f"layers.{len(out)}.weight"] = torch.randn(min(per, left), generator=g)
+        left -= per
+    return out
+
+
+def export_s(tensors: dict[str, torch.Tensor], repeats: int) -> tuple[float | None, ExportedWeights]:
+    """The trainer's export (serialise, checksum, transfer digest: one pass); the last one's."""
+    times = []
+    out = export_weights(tensors, {"version": "1"})  # a warm-up: it faults the buffer's pages in
+    for _ in range(repeats):
+        del out
+        t0 = time.perf_counter()
+        out = export_weights(tensors, {"version": "1"})
+        times.append(time.perf_counter() - t0)
+    return median(times), out
 
 
 async def measure(
@@ -281,6 +358,41 @@ async def measure(
     return median(times)
 
 
+async def measure_paired(
+    label: str,
+    workers: Workers,
+    rounds: int,
+    timeout: float,
+    one: Callable[[int], Awaitable[float]],
+    floor_one: Callable[[int], Awaitable[float]],
+    floors: list[float],
+) -> tuple[float | None, float | None]:
+    """``one``'s median over ``rounds`` rounds after a warm-up, and the median of its ratio to a
+    loopback round (``floor_one``) run just before each: both under the same load (this machine's
+    others come and go within the minute a size takes). The loopback rounds join ``floors``.
+    (None, None), and a note, when too slow."""
+    times: list[float] = []
+    ratios: list[float] = []
+    try:
+        for k in range(rounds + 1):
+            f = await floor_one(k)
+            t = await one(k)
+            if os.environ.get("BENCH_VERBOSE"):
+                print(f"    {label} round {k}: {t * 1e3:.1f} ms (loopback {f * 1e3:.1f} ms)", flush=True)
+            if k:
+                times.append(t)
+                floors.append(f)
+                if (r := ratio(t, f)) is not None:
+                    ratios.append(r)
+    except (TooSlow, TimeoutError, OSError, RuntimeError) as exc:
+        why = "too slow to measure" if isinstance(exc, TooSlow | TimeoutError) else f"failed ({exc})"
+        print(f"  {label}: {why}; workers restarted", flush=True)
+        await workers.stop()
+        await workers.start(timeout)
+        return None, None
+    return median(times), median(ratios)
+
+
 async def bench_size(
     nbytes: int,
     stores: list[str],
@@ -291,32 +403,59 @@ async def bench_size(
 ) -> str:
     """Floors and stores at one size; its summary line."""
     label = size_label(nbytes)
-    # Weights as the local trainer exports them (bytes); the parallel one hands a bytearray.
-    data = np.random.default_rng(nbytes).bytes(nbytes)
     print(f"\n{label}:", flush=True)
+    made, weights = export_s(make_weights(nbytes), repeats)
+    data = weights.data
     copy = memcpy_s(data, repeats)
     floor = await measure(
         f"{label} loopback", workers, repeats, timeout, lambda k: loopback_round(workers, data, timeout)
     )
     print(figure_line(label, "memcpy", copy, nbytes, floor), flush=True)
-    print(figure_line(label, "sha256", sha256_s(data, repeats), nbytes, floor), flush=True)
+    print(figure_line(label, "sha256", hash_s(data, repeats, "sha256"), nbytes, floor), flush=True)
+    print(figure_line(label, "blake3", hash_s(data, repeats, "blake3"), nbytes, floor), flush=True)
+    print(figure_line(label, "export", made, nbytes, floor) + "  (apart: before the put)", flush=True)
     print(figure_line(label, "loopback", floor, nbytes, floor), flush=True)
+    checked = await measure(
+        f"{label} loopback+check",
+        workers,
+        repeats,
+        timeout,
+        lambda k: loopback_round(workers, data, timeout, check=True),
+    )
+    print(
+        figure_line(label, "+blake3", checked, nbytes, floor) + "  (loopback, each worker hashing)",
+        flush=True,
+    )
     medians: dict[str, float | None] = {}
+    paired: dict[str, float | None] = {}
+    floors: list[float] = []
     for kind in stores:
         store = by_kind[kind]
 
         async def one(k: int, store: PayloadStore = store) -> float:
             name = f"weights-{nbytes}-{k}"
-            t = await store_round(workers, store, name, data, timeout)
+            t = await store_round(workers, store, name, weights, timeout)
             if isinstance(store, ObjectStorePayloads):  # the bucket holds a round's weights
                 await store.obj.delete(name)
             elif isinstance(store, FilePayloads):
                 (store.root / store.bucket / name).unlink(missing_ok=True)
             return t
 
-        medians[kind] = await measure(f"{label} {kind}", workers, repeats, timeout, one)
-        print(figure_line(label, kind, medians[kind], nbytes, floor), flush=True)
-    return summary_line(label, medians, floor)
+        medians[kind], paired[kind] = await measure_paired(
+            f"{label} {kind}",
+            workers,
+            repeats,
+            timeout,
+            one,
+            lambda k: loopback_round(workers, data, timeout),
+            floors,
+        )
+        print(figure_line(label, kind, medians[kind], nbytes, floor, paired[kind]), flush=True)
+    beside = median(floors)
+    print(
+        figure_line(label, "loopback", beside, nbytes, beside) + "  (beside the stores' rounds)", flush=True
+    )
+    return summary_line(label, medians, floor, paired)
 
 
 async def main() -> None:
