@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,6 +43,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from jetrl.bus.server import free_port
 
 HERE = Path(__file__).resolve().parent
 RANKS_SCRIPT = HERE / "_trainer_ranks.py"
@@ -113,13 +114,6 @@ def load_average() -> float:
         return float("nan")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _rank_error(path: Path) -> str:
     """What a failed rank said: its own summary line, else its last line of output."""
     try:
@@ -161,7 +155,7 @@ def run_layout(layout: Layout, args: argparse.Namespace, tmp: Path) -> dict[str,
     if layout.world > 1:  # as a launcher starts ranks; world 1 is the engine's own, no launcher
         common = {
             "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(_free_port()),
+            "MASTER_PORT": str(free_port()),
             "WORLD_SIZE": str(layout.world),
         }
         common["LOCAL_WORLD_SIZE"] = common["WORLD_SIZE"]

