@@ -137,6 +137,29 @@ def conditions(state: MonitorState, s: AlertSettings, now: float) -> Iterator[Co
             f"reward ({n}-step mean) {now_mean:.3f}, down {100 * drop:.0f}% from its best {best:.3f}",
         )
 
+    # Groups whose rewards are all alike teach nothing: most of them, for a window, below the
+    # run's target, is a policy that no longer varies its answers (a collapse; the entropy says).
+    if len(steps) >= n:
+        share = sum(p.trainer.get("groups_no_signal", 0.0) for p in steps[-n:]) / n
+        reward = sum(p.reward_mean for p in steps[-n:]) / n
+        target = _reward_target(state)
+        entropy = steps[-1].trainer.get("entropy", float("nan"))
+        yield Condition(
+            "no_signal",
+            "run",
+            running and share >= s.no_signal and (target is None or reward < target),
+            share,
+            s.no_signal,
+            "warning",
+            f"{100 * share:.0f}% of the last {n} steps' groups had rewards all alike, so no advantage "
+            f"to learn from (reward {reward:.3f}, entropy {entropy:.3f}): the policy may have collapsed",
+        )
+
+
+def _reward_target(state: MonitorState) -> float | None:
+    target = state.config.get("trainer", {}).get("stop_at_reward")
+    return float(target) if isinstance(target, int | float) else None
+
 
 class Alerts:
     """``check`` returns the transitions from the state's alerts (those this monitor raised, and

@@ -33,6 +33,7 @@ TRAINER_METRICS = (
     "grad_norm",
     "trainer_idle_frac",
     "trainer_wait_s",
+    "groups_no_signal",  # the share of the step's groups whose rewards are all alike
 )
 _GENERATIONS_KEPT = 200_000  # generations waiting for their rollout's step (a bound, not a target)
 # The facts the series are made of; the others (policy versions, weights, evaluations) are

@@ -23,6 +23,11 @@ class AlertSettings(Section):
     # the best such mean) below the best, after at least two windows of steps.
     reward_drop: float = Field(0.5, gt=0, le=1)
     reward_window: int = Field(10, ge=2)
+    # No signal: over the last `reward_window` steps, at least this share of the groups had
+    # rewards all alike (a zero group-relative advantage: nothing to learn from), while the mean
+    # reward is below the run's [trainer] stop_at_reward if it sets one. The mark of a policy
+    # collapsed onto answers it no longer varies (docs/running.md, "When a run stalls").
+    no_signal: float = Field(0.9, gt=0, le=1)
 
 
 class MonitorSettings(Section):

@@ -117,3 +117,32 @@ def test_a_config_without_the_bound_is_held_to_the_trainers_default() -> None:
     assert fired(Alerts(AlertSettings(heartbeat_lost_s=60)), s, 10.0) == {
         ("stale_version", "inf-0", "firing")
     }
+
+
+def test_no_signal_fires_below_the_target_and_resolves_when_groups_vary_again() -> None:
+    started = rec.Started(1, 0.0, {"trainer": {"stop_at_reward": 0.9}})
+    rs: list[rec.Fact] = [started]
+    seq = 10
+    for n in range(6):  # groups alike, reward 0.75: collapsed below the target
+        rs += step(seq, 10.0 + n, n, reward=0.75, groups_no_signal=0.95, entropy=0.01)
+        seq += 2
+    s = state_with(*rs)
+    a = Alerts(AlertSettings(reward_window=5, no_signal=0.9))
+    assert ("no_signal", "run", "firing") in fired(a, s, 16.0)
+    for n in range(6, 11):  # the groups vary again
+        for r in step(seq, 10.0 + n, n, reward=0.75, groups_no_signal=0.5):
+            s.apply(r)
+        seq += 2
+    assert ("no_signal", "run", "resolved") in fired(a, s, 21.0)
+
+
+def test_no_signal_does_not_fire_on_a_run_that_reached_its_target() -> None:
+    rs: list[rec.Fact] = [rec.Started(1, 0.0, {"trainer": {"stop_at_reward": 0.9}})]
+    for n in range(6):  # every group all right: a task learnt, not a stall
+        rs += step(10 + 2 * n, 10.0 + n, n, reward=1.0, groups_no_signal=1.0)
+    a = Alerts(AlertSettings(reward_window=5, no_signal=0.9))
+    assert not {f for f in fired(a, state_with(*rs), 16.0) if f[0] == "no_signal"}
+    # Without a target in its config, alike groups are reported whatever the reward.
+    rs[0] = rec.Started(1, 0.0, {})
+    untargeted = Alerts(AlertSettings(reward_window=5))
+    assert ("no_signal", "run", "firing") in fired(untargeted, state_with(*rs), 16.0)
