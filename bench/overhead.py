@@ -26,6 +26,7 @@ import statistics
 import tempfile
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -48,11 +49,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def one_process(
-    cfg: RunConfig, root: Path, threads: int, *, lag: int = 0, curve: list[float] | None = None
+    cfg: RunConfig,
+    root: Path,
+    threads: int,
+    *,
+    lag: int = 0,
+    curve: list[float] | None = None,
+    sample_seed: int | None = None,
+    on_step: Callable[[torch.Tensor, dict[str, float]], None] | None = None,
 ) -> tuple[float | None, int]:
     """Seconds to the reward target (None if not reached) and the steps taken. ``lag``: each
     batch sampled by the version ``lag`` steps old (bench/offpolicy.py), not the newest;
-    ``curve`` collects each step's mean reward."""
+    ``curve`` collects each step's mean reward; ``sample_seed``: the tasks' and the sampler's
+    seed, where it is not the run's (the model's init stays the run seed's: bench/stall.py);
+    ``on_step``: called with each step's rewards ``[groups, group_size]`` and its metrics."""
     t0 = time.perf_counter()
     part = cfg.trainer_part(root)
     part = part.model_copy(update={"trainer": part.trainer.model_copy(update={"threads": threads})})
@@ -64,8 +74,8 @@ def one_process(
     env_cfg = producer.env
     tok = tokenizer_for(cfg.model)
     env = make_environment(env_cfg.env_kind, tok, **env_cfg.params)
-    rng = random.Random(producer.seed * 7919)
-    generator = torch.Generator().manual_seed(cfg.run.seed)
+    rng = random.Random(producer.seed * 7919 if sample_seed is None else sample_seed * 7919 + 1)
+    generator = torch.Generator().manual_seed(cfg.run.seed if sample_seed is None else sample_seed)
     window: deque[float] = deque(maxlen=cfg.trainer.reward_window)
     target = cfg.trainer.stop_at_reward
     # The last lag + 1 versions' weights: version s - lag samples step s.
@@ -92,12 +102,14 @@ def one_process(
         )
         groups = torch.arange(len(gens)) // env_cfg.group_size
         adv = group_advantages(rewards, groups, std_scale=cfg.trainer.std_scale_advantages)
-        engine.step(
+        metrics = engine.step(
             [
                 Rollout(g.prompt_ids, g.completion_ids, g.logprobs, float(adv[i]), routing=g.routing)
                 for i, g in enumerate(gens)
             ]
         )
+        if on_step is not None:
+            on_step(rewards.view(-1, env_cfg.group_size), metrics)
         if not lag:
             load_into(sampler, model.state_dict())
         window.append(float(rewards.mean()))

@@ -150,3 +150,18 @@ def test_trainer_summary_when_layouts_failed() -> None:
     assert any(
         "not measured (rank 1: timed out after 60 s)" in line for line in trainer.summary_lines(failed)
     )
+
+
+def test_stall_bench_describes_a_stalled_run_and_one_that_ended_at_once() -> None:
+    stall = load_bench("stall")
+    stalled = stall.Outcome(4, 1004, None, 120.0, 0.78, 0.95, 0.012)
+    assert stall.describe(stalled, 1500) == (
+        "seed 4 sample 1004: stalled: not reached in 1500 steps (120 s); last 100 steps: "
+        "reward 0.780, groups alike 95%, entropy 0.012"
+    )
+    # A training that took no step has nothing to average: said as nan, not a crash.
+    empty = stall.Outcome(0, 1000, None, 0.1, float("nan"), float("nan"), float("nan"))
+    assert "reward nan, groups alike nan%" in stall.describe(empty, 0)
+    assert stall.describe(stall.Outcome(1, 1001, 437, 30.4, 0.93, 0.6, 0.2), 1500) == (
+        "seed 1 sample 1001: reached in 437 steps (30 s)"
+    )
