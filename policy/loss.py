@@ -43,12 +43,6 @@ class LossConfig:
     # Entropy bonus: keeps a small policy learning from scratch from collapsing onto a wrong
     # answer (a group of identical samples has zero advantage and teaches nothing).
     entropy_coef: float = 0.0
-    # Entropy floor: ``entropy_floor_coef * max(0, entropy_floor - H)`` per loss token. Where a
-    # prompt's samples have collapsed onto one wrong answer its group is all alike and carries
-    # no advantage, so only this term still acts there; above the floor it is zero, so a
-    # confident right answer keeps its confidence (unlike a larger entropy_coef).
-    entropy_floor: float = 0.0
-    entropy_floor_coef: float = 1.0
     gap_threshold: float = 0.1  # |p_train - p_inf| above this counts as a large gap (metric only)
 
     def __post_init__(self) -> None:
@@ -60,37 +54,21 @@ class LossConfig:
             raise ValueError("kl_coef must be >= 0")
         if self.entropy_coef < 0:
             raise ValueError("entropy_coef must be >= 0")
-        if self.entropy_floor < 0 or self.entropy_floor_coef < 0:
-            raise ValueError("entropy_floor and entropy_floor_coef must be >= 0")
-
-    @property
-    def needs_entropy(self) -> bool:
-        """Whether the loss has a term in the per-token entropy (so it needs its gradient)."""
-        return self.entropy_coef > 0 or (self.entropy_floor > 0 and self.entropy_floor_coef > 0)
 
     @classmethod
-    def clipped(
-        cls,
-        eps: float,
-        *,
-        kl_coef: float = 1e-3,
-        entropy_coef: float = 0.0,
-        entropy_floor: float = 0.0,
-        entropy_floor_coef: float = 1.0,
-    ) -> LossConfig:
+    def clipped(cls, eps: float, *, kl_coef: float = 1e-3, entropy_coef: float = 0.0) -> LossConfig:
         """PPO's clip of the ratio to ``[1 - eps, 1 + eps]`` against the behaviour policy, on
         the side its advantage pushes (0: off, only the mismatch mask)."""
         low, high = MISMATCH_BOUNDS
         if not 0 <= eps < 1:
             raise ValueError(f"the ratio clip must lie in [0, 1), got {eps}")
-        bounds = ((low, high), (low, high)) if eps == 0 else ((low, 1.0 + eps), (1.0 - eps, high))
+        if eps == 0:
+            return cls(kl_coef=kl_coef, entropy_coef=entropy_coef)
         return cls(
-            ratio_bounds_pos=bounds[0],
-            ratio_bounds_neg=bounds[1],
+            ratio_bounds_pos=(low, 1.0 + eps),
+            ratio_bounds_neg=(1.0 - eps, high),
             kl_coef=kl_coef,
             entropy_coef=entropy_coef,
-            entropy_floor=entropy_floor,
-            entropy_floor_coef=entropy_floor_coef,
         )
 
 
@@ -255,14 +233,6 @@ def rl_loss(
         if entropy is None:
             raise ValueError("entropy_coef > 0 needs the per-token entropy")
         loss = loss - cfg.entropy_coef * (entropy.to(logprobs.dtype) * keep_f).sum() / denom
-    below = torch.zeros((), dtype=logprobs.dtype)
-    if cfg.entropy_floor > 0 and cfg.entropy_floor_coef > 0:
-        if entropy is None:
-            raise ValueError("entropy_floor > 0 needs the per-token entropy")
-        # Every loss token, kept or not: the floor is about the policy now, not the sample.
-        short = torch.relu(cfg.entropy_floor - entropy.to(logprobs.dtype)) * mask.to(logprobs.dtype)
-        loss = loss + cfg.entropy_floor_coef * short.sum() / denom
-        below = ((short > 0).sum() / max(int(mask.sum()), 1)).detach()
 
     n_mask = int(mask.sum())
     metrics = mismatch_stats(logprobs, inference_logprobs, mask, cfg.gap_threshold, segments=segments)
@@ -274,6 +244,4 @@ def rl_loss(
     )
     if entropy is not None:
         metrics["entropy"] = float(entropy.detach()[mask].double().mean()) if n_mask else 0.0
-    if cfg.entropy_floor > 0:
-        metrics["entropy_below_floor"] = float(below)  # the share of loss tokens under it
     return loss, metrics

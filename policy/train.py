@@ -269,7 +269,7 @@ def forward_backward(
         temperature=temperature,
         replay=replay,
         with_entropy=True,  # always a metric; in the loss (with its gradient) only when weighted
-        entropy_grad=loss_cfg.needs_entropy,
+        entropy_grad=loss_cfg.entropy_coef > 0,
         route_differs=differs,
     )
     if token_stats is not None:

@@ -35,13 +35,7 @@ class LocalTrainEngine:
         self.mcfg = model_config_of(part.model)
         self.model = initial_model(part.model, seed=part.seed)
         self.optimizer = make_optimizer(self.model, lr=s.lr, weight_decay=s.weight_decay)
-        self.loss_cfg = LossConfig.clipped(
-            s.ratio_clip,
-            kl_coef=s.kl_coef,
-            entropy_coef=s.entropy_coef,
-            entropy_floor=s.entropy_floor,
-            entropy_floor_coef=s.entropy_floor_coef,
-        )
+        self.loss_cfg = LossConfig.clipped(s.ratio_clip, kl_coef=s.kl_coef, entropy_coef=s.entropy_coef)
         self.replay = s.replay and self.mcfg.is_moe
         self.last_token_stats: list[torch.Tensor] | None = None
 

@@ -83,11 +83,6 @@ class TrainerSettings(Section):
     # replays with its own.
     ratio_clip: float = Field(0.2, ge=0, lt=1)
     entropy_coef: float = Field(0.0, ge=0)
-    # An entropy floor in nats (0: off): each loss token whose entropy is under it adds
-    # entropy_floor_coef x the shortfall to the loss. Acts only where a policy has collapsed onto
-    # one answer, whose alike groups carry no advantage (policy/loss.py, docs/running.md).
-    entropy_floor: float = Field(0.0, ge=0)
-    entropy_floor_coef: float = Field(1.0, ge=0)
     std_scale_advantages: bool = False
     max_grad_norm: float = 1.0
     checkpoint_every: int = Field(10, ge=0)

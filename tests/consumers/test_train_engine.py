@@ -94,14 +94,3 @@ def test_a_packed_step_trains_what_the_padded_step_trains() -> None:
         assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=0)
     wa, wb = packed.model.state_dict(), padded.model.state_dict()
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4
-
-
-def test_the_entropy_floor_of_the_settings_is_in_the_engines_loss() -> None:
-    s = TrainerSettings(lr=1e-2, entropy_floor=5.0, entropy_floor_coef=0.5)
-    engine = make_train_engine(PART.model_copy(update={"trainer": s}))
-    assert isinstance(engine, LocalTrainEngine)
-    cfg = engine.loss_cfg
-    assert (cfg.entropy_floor, cfg.entropy_floor_coef, cfg.needs_entropy) == (5.0, 0.5, True)
-    # A floor above any token's entropy: every loss token is under it, and the step says so.
-    metrics = engine.step(rollouts_from(engine.model))
-    assert metrics["entropy_below_floor"] == 1.0

@@ -114,30 +114,6 @@ def test_num_tokens_override_and_entropy_metric():
     assert loss_a.item() == -1.0 and loss_b.item() == -0.5 and m["entropy"] == 1.0
 
 
-def test_entropy_floor_acts_only_below_it_and_raises_the_entropy():
-    lp = torch.tensor([[-1.0, -1.0, -1.0]])
-    mask = torch.tensor([[True, True, False]])  # the third token is not a loss token
-    zero = torch.tensor([0.0])
-    cfg = LossConfig(kl_coef=0.0, entropy_floor=0.5, entropy_floor_coef=2.0)
-    ent = torch.tensor([[0.1, 0.9, 0.0]], requires_grad=True)
-    loss, m = rl_loss(lp, lp, zero, mask, cfg, entropy=ent)
-    # Only the first token is under the floor: 2.0 x (0.5 - 0.1) over 2 loss tokens.
-    assert loss.item() == pytest.approx(0.4) and m["entropy_below_floor"] == 0.5
-    loss.backward()
-    assert ent.grad is not None
-    torch.testing.assert_close(ent.grad, torch.tensor([[-1.0, 0.0, 0.0]]))  # descent raises it
-    # Above the floor everywhere: no term, and no metric without a floor.
-    loss, m = rl_loss(lp, lp, zero, mask, LossConfig(kl_coef=0.0), entropy=torch.tensor([[0.1, 0.9, 0.0]]))
-    assert loss.item() == 0.0 and "entropy_below_floor" not in m
-    assert cfg.needs_entropy and not LossConfig(kl_coef=0.0).needs_entropy
-    with pytest.raises(ValueError, match="needs the per-token entropy"):
-        rl_loss(lp, lp, zero, mask, cfg)
-    with pytest.raises(ValueError):
-        LossConfig(entropy_floor=-0.1)
-    clipped = LossConfig.clipped(0.2, entropy_floor=0.3, entropy_floor_coef=0.5)
-    assert (clipped.entropy_floor, clipped.entropy_floor_coef) == (0.3, 0.5)
-
-
 def test_mismatch_kl_max_is_the_largest_rollouts_mean():
     lp = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.5, 0.5, 0.9]]))
     ilp = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.4, 0.6, 0.1]]))

@@ -120,13 +120,7 @@ class ShardedPolicy:
                 buf.copy_(_placed_like(buf, full.to(group.device)))
         del source, mine
         self.optimizer = make_optimizer(model, lr=s.lr, weight_decay=s.weight_decay)
-        self.loss_cfg = LossConfig.clipped(
-            s.ratio_clip,
-            kl_coef=s.kl_coef,
-            entropy_coef=s.entropy_coef,
-            entropy_floor=s.entropy_floor,
-            entropy_floor_coef=s.entropy_floor_coef,
-        )
+        self.loss_cfg = LossConfig.clipped(s.ratio_clip, kl_coef=s.kl_coef, entropy_coef=s.entropy_coef)
         self.replay = s.replay and self.mcfg.is_moe
         self.last_token_stats: list[torch.Tensor] | None = None
         # Names and per-expert tensors of Hugging Face's layout, one tensor at a time (a meta
