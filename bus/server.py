@@ -51,6 +51,11 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
+# Its own generator, seeded from the OS: test tools reseed the global `random` module to one
+# value (hypothesis does, per example), which would hand two processes the same "free" port.
+_PORT_CHOICE = random.SystemRandom()
+
+
 def free_port() -> int:
     """A loopback port free now, taken below the kernel's ephemeral range: a port the kernel
     hands out for bind(0) is also one it may give the next outgoing connection's local end, so a
@@ -59,7 +64,7 @@ def free_port() -> int:
     low, _ = _ephemeral_range()
     top = low - 1 if low > 12000 else 65535
     for _ in range(200):
-        port = random.randint(10000, top)
+        port = _PORT_CHOICE.randint(10000, top)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("127.0.0.1", port))

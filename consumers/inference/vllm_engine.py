@@ -197,6 +197,9 @@ class SharedFile:
             self._map = None
 
 
+HEALTH_CHECK_TIMEOUT = aiohttp.ClientTimeout(total=10)
+
+
 class VLLMEngine:
     # The worker hands it this many batches at once: vLLM batches continuously, so a batch that
     # arrives while another generates joins it instead of waiting for it to end.
@@ -267,8 +270,10 @@ class VLLMEngine:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise VLLMError(f"the vLLM server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            with contextlib.suppress(aiohttp.ClientError, OSError):
-                async with self._session.get(f"{self.url}/health") as r:
+            # Each check bounded: a listener that accepts and never answers (the server not
+            # serving yet, or another process on the port) must not outlast the deadline.
+            with contextlib.suppress(aiohttp.ClientError, OSError, asyncio.TimeoutError):
+                async with self._session.get(f"{self.url}/health", timeout=HEALTH_CHECK_TIMEOUT) as r:
                     if r.status == 200:
                         self._ready = True
                         if self.capture:
