@@ -37,7 +37,9 @@ from tests.system.test_faults import FAST_REDELIVERY
 
 pytestmark = [pytest.mark.slow, pytest.mark.fault]
 
-STEPS = 45
+# Long enough that the run outlasts both kills and the restart between them on a fast machine
+# (45 once ended before the second kill).
+STEPS = 90
 PROBE = "PROBE"
 PROBE_EVERY_S = 0.05
 
