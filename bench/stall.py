@@ -32,6 +32,7 @@ import torch
 from overhead import one_process
 
 from jetrl.bus.log import configure
+from jetrl.consumers.trainer.groups import share_without_signal
 from jetrl.deploy.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,7 +63,7 @@ def train(job: tuple[int, int, int, int, int, list[str]]) -> Outcome:
 
     def on_step(r: torch.Tensor, metrics: dict[str, float]) -> None:
         rewards.append(float(r.mean()))
-        alike.append(float((r.amax(dim=1) == r.amin(dim=1)).float().mean()))
+        alike.append(share_without_signal(r.tolist()))  # the trainer's groups_no_signal
         entropy.append(float(metrics.get("entropy", float("nan"))))
 
     t0 = time.perf_counter()
