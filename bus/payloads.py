@@ -649,25 +649,26 @@ class Payloads:
                 others.append(store)
         return cls(objstore, *others, log=LogArrays(js, run_id))
 
-    def inline_if_small(
-        self, arr: np.ndarray, *, inline_threshold: int | None = None
-    ) -> ev.InlineArray | None:
-        """``arr`` inline, when it is small enough to ride in the event (what :meth:`put_array`
-        does without a store, so without awaiting anything); else None."""
-        inline = inline_array(arr)
-        limit = self.inline_threshold if inline_threshold is None else inline_threshold
-        return inline if len(inline.data) <= limit else None
+    def fits_inline(self, inline: ev.InlineArray, *, inline_threshold: int | None = None) -> bool:
+        """Whether an array serialised by :func:`inline_array` is small enough to ride in its
+        event (``inline_threshold``, default the store's)."""
+        return len(inline.data) <= (self.inline_threshold if inline_threshold is None else inline_threshold)
+
+    async def put_inline(self, name: str, inline: ev.InlineArray, *, store: str | None = None) -> ev.ArrayRef:
+        """An array already serialised by :func:`inline_array`, in the store (``store``: the
+        kind, default the default) with a reference: its bytes are not made again."""
+        ref = await self.store(store).put(name, inline.data)
+        return msgspec.structs.replace(ref, dtype=inline.dtype, shape=inline.shape)
 
     async def put_array(
         self, name: str, arr: np.ndarray, *, inline_threshold: int | None = None, store: str | None = None
     ) -> ev.ArrayRef:
-        """``arr`` inline when it is small (``inline_threshold``, default the store's), else in
-        the store (``store``: the kind, default the default) with a reference."""
+        """``arr`` inline when it is small (:meth:`fits_inline`), else in the store with a
+        reference (:meth:`put_inline`)."""
         inline = inline_array(arr)
-        if len(inline.data) <= (self.inline_threshold if inline_threshold is None else inline_threshold):
+        if self.fits_inline(inline, inline_threshold=inline_threshold):
             return inline
-        ref = await self.store(store).put(name, inline.data)
-        return msgspec.structs.replace(ref, dtype=inline.dtype, shape=inline.shape)
+        return await self.put_inline(name, inline, store=store)
 
     def store(self, kind: str | None = None) -> PayloadStore:
         """The store of ``kind`` (None: the default, where new writes go)."""

@@ -43,7 +43,7 @@ from jetrl.bus.client import Bus
 from jetrl.bus.consumer import ConsumerSpec, Delivery, keep_alive
 from jetrl.bus.fair import FairPuller, FairQueue, num_pending
 from jetrl.bus.log import get_logger
-from jetrl.bus.payloads import PayloadError, Payloads, token_list_ref
+from jetrl.bus.payloads import PayloadError, Payloads, inline_array, token_list_ref
 from jetrl.consumers.inference.admission import DEFAULT_TENANT, Admission, Refusal, limits_for
 from jetrl.consumers.inference.engine import GenerationEngine, GroupRequest, Sample, make_generation_engine
 from jetrl.consumers.inference.settings import InferencePart
@@ -313,13 +313,11 @@ class InferenceWorker:
             if g.routing_trace is not None:
                 arrays.append(("trace", g.routing_trace, None, traces))
             for key, arr, threshold, store in arrays:
-                small = payloads.inline_if_small(arr, inline_threshold=threshold)
-                if small is not None:
-                    refs[(i, key)] = small
+                data = inline_array(arr)  # serialised once, whether it rides inline or not
+                if payloads.fits_inline(data, inline_threshold=threshold):
+                    refs[(i, key)] = data
                 else:
-                    puts[(i, key)] = payloads.put_array(
-                        f"{key}-{name}-{i}", arr, inline_threshold=threshold, store=store
-                    )
+                    puts[(i, key)] = payloads.put_inline(f"{key}-{name}-{i}", data, store=store)
         if puts:
             refs.update(zip(puts, await asyncio.gather(*puts.values()), strict=True))
         completions = [
