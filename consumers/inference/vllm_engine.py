@@ -398,7 +398,6 @@ class VLLMEngine:
 
         from jetrl.policy.weights import (
             META_LAYOUT,
-            canonical_tensors,
             check_stored_checksum,
             tensors_of,
             to_hf,
@@ -415,7 +414,7 @@ class VLLMEngine:
         # jetrl's layout: vLLM loads Hugging Face names (a trainer with weights_layout = "hf"
         # publishes those, and this copy is not made).
         out = path.with_name(path.stem + "-hf.safetensors")
-        save_file(to_hf(canonical_tensors(tensors, meta, self.mcfg), self.mcfg), str(out))
+        save_file(to_hf(tensors, self.mcfg), str(out))  # canonical names already
         return out
 
     async def close(self) -> None:

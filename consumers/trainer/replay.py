@@ -115,10 +115,11 @@ async def read_rollouts(
             continue
         b = item.event.body
         if isinstance(b, ev.RolloutsScored):
+            owner = ids.task_event_id(run_id, b.task_id)  # the task event holding the prompt
             for r in b.rollouts:
                 if r.rollout_id not in wanted:
                     continue
-                view = ScoredView(b, r, ids.task_event_id(run_id, b.task_id))
+                view = ScoredView(b, r, owner)
                 want = seqs.get(r.rollout_id)
                 if want is None:
                     scored.setdefault(r.rollout_id, view)
