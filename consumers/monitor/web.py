@@ -44,6 +44,7 @@ Metrics = Callable[[], tuple[bytes, str]]
 
 _MONITOR = web.AppKey("monitor", Monitor)
 _CLOSING = web.AppKey("closing", asyncio.Event)
+_PUSH_EVERY_S = web.AppKey("push_every_s", float)
 
 
 def _finite(x: Any) -> Any:
@@ -164,7 +165,7 @@ async def _events(request: web.Request) -> web.StreamResponse:
                 await resp.write(_sse("points", pts, after))
             await resp.write(_sse("snapshot", monitor.snapshot()))
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(closing.wait(), PUSH_EVERY_S)
+                await asyncio.wait_for(closing.wait(), request.app[_PUSH_EVERY_S])
             transport = request.transport
             if transport is None or transport.is_closing():
                 break  # the page went away
@@ -185,9 +186,12 @@ async def _closing(app: web.Application) -> None:
     app[_CLOSING].set()  # server-sent event streams end, so the server stops at once
 
 
-def make_app(monitor: Monitor, metrics: Metrics | None = None) -> web.Application:
+def make_app(
+    monitor: Monitor, metrics: Metrics | None = None, *, push_every_s: float = PUSH_EVERY_S
+) -> web.Application:
     app = web.Application()
     app[_MONITOR] = monitor
+    app[_PUSH_EVERY_S] = push_every_s
     app[_CLOSING] = asyncio.Event()
     app.on_shutdown.append(_closing)
     app.router.add_get("/", _index)
@@ -218,9 +222,11 @@ async def serve(
     stop: asyncio.Event,
     metrics: Metrics | None = None,
     on_ready: Callable[[str], None] | None = None,
+    push_every_s: float = PUSH_EVERY_S,
 ) -> None:
-    """Serve the page on ``host:port`` (port 0: a free one) until ``stop``; ``on_ready`` gets its URL."""
-    app = make_app(monitor, metrics)
+    """Serve the page on ``host:port`` (port 0: a free one) until ``stop``; ``on_ready`` gets its URL.
+    The event stream pushes new points every ``push_every_s``."""
+    app = make_app(monitor, metrics, push_every_s=push_every_s)
     runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=5.0)
     await runner.setup()
     try:

@@ -90,6 +90,24 @@ def attr(d: WebDriver, element_id: str, name: str) -> str:
     return d.find_element(By.ID, element_id).get_attribute(name) or ""
 
 
+# A MutationObserver that keeps every value the step tile and the reward chart take, in order.
+RECORD_SHOWN = """
+const shown = (window.jetrlShown = {"tile-step": [], "chart-reward": []});
+new MutationObserver((changes) => {
+  for (const c of changes) {
+    const into = shown[c.target.id];
+    const v = c.target.getAttribute(c.attributeName);
+    if (into && v) into.push(Number(v));
+  }
+}).observe(document.body, {subtree: true, attributes: true, attributeFilter: ["data-value", "data-points"]});
+"""
+
+
+def dedupe(values: list[int]) -> list[int]:
+    """The values in the order shown, each repeat of the one before dropped."""
+    return [v for i, v in enumerate(values) if i == 0 or v != values[i - 1]]
+
+
 def wait_for(d: WebDriver, what: Callable[[WebDriver], T], timeout: float, message: str) -> T:
     return WebDriverWait(d, timeout, poll_frequency=0.2).until(what, message)
 
@@ -139,30 +157,27 @@ async def test_the_dashboard_follows_a_real_run_and_shows_the_stores_figures(
         urls: list[str] = []
         tasks.append(asyncio.create_task(monitor.run(stop)))
         tasks.append(
-            asyncio.create_task(serve(monitor, host="127.0.0.1", port=0, stop=stop, on_ready=urls.append))
+            asyncio.create_task(
+                # Pushes 10 times a second: a short run's steps still reach the page in several pushes.
+                serve(monitor, host="127.0.0.1", port=0, stop=stop, on_ready=urls.append, push_every_s=0.1)
+            )
         )
         while not urls:
             await asyncio.sleep(0.05)
         url = urls[0]
         # Selenium blocks: every browser call runs in a thread, the server in this loop.
         await asyncio.to_thread(driver.get, url)
+        # While the run steps, the step tile and the charts move on. The page records each value
+        # it shows (a poll from here would miss them where a short run outpaces it).
+        await asyncio.to_thread(driver.execute_script, RECORD_SHOWN)
         run = asyncio.create_task(sup.run())
         await asyncio.to_thread(
             wait_for, driver, lambda d: attr(d, "run-id", "textContent") == run_id, 30, "no run id shown"
         )
-
-        # While the run steps, the step tile and the charts move on.
-        seen: list[int] = []
-        charted: list[int] = []
-        assert run is not None
-        while not run.done():
-            raw = await asyncio.to_thread(attr, driver, "tile-step", "data-value")
-            if raw and (not seen or int(raw) != seen[-1]):
-                seen.append(int(raw))
-                points = await asyncio.to_thread(attr, driver, "chart-reward", "data-points")
-                charted.append(int(points or 0))
-            await asyncio.sleep(0.3)
         assert await run == 0
+        shown_values = await asyncio.to_thread(driver.execute_script, "return window.jetrlShown")
+        seen = dedupe(shown_values["tile-step"])
+        charted = dedupe(shown_values["chart-reward"])
         assert len(seen) >= 2 and seen == sorted(seen), f"the step tile did not move on: {seen}"
         assert charted == sorted(charted) and charted[-1] > charted[0], f"the reward chart: {charted}"
 
