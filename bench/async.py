@@ -59,7 +59,8 @@ def mode_figures(steps: list[dict[str, float]], seconds: float) -> ModeFigures:
     timed = [s for s in steps if s["step"] >= WARMUP_STEPS]
     span = timed[-1]["t"] - timed[0]["t"] if len(timed) >= MIN_TIMED_STEPS else 0.0
     waits = [s.get("trainer_wait_s", 0.0) for s in timed[1:]]
-    busy = sum(waits) + sum(s.get("step_s", 0.0) for s in timed[1:])
+    # The trainer's time: waiting for a batch, reading and checking it, and its step.
+    busy = sum(waits) + sum(s.get("trainer_read_s", 0.0) + s.get("step_s", 0.0) for s in timed[1:])
     last = steps[-10:]
     return ModeFigures(
         steps=len(steps),

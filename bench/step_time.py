@@ -5,7 +5,8 @@ and from step ``--from-step`` to the end reads every process's CPU time (user + 
 /proc: the parts, the nats-server, the supervisor) and the wall time. Per step it prints the
 wall milliseconds, each process's CPU milliseconds and their sum against the cores' capacity
 (wall x cores): what the machine spends a step on, and who spends it. The trainer's own split
-of its step (the StepCompleted metric ``step_s``, and ``trainer_wait_s``: waiting for rollouts)
+of its step (the StepCompleted metrics ``step_s``; ``trainer_read_s``, reading and checking the
+batch's arrays; ``trainer_wait_s``, waiting for a batch of fresh groups)
 follows. Extra config overrides may be given after ``--``.
 
     python bench/step_time.py [--steps 200] [--from-step 20] [-- --inference.workers 1]
@@ -93,7 +94,11 @@ def main() -> None:
     if metrics:
         step_s = sum(m.get("step_s", 0.0) for m in metrics) / len(metrics)
         wait_s = sum(m.get("trainer_wait_s", 0.0) for m in metrics) / len(metrics)
-        print(f"  trainer: step {step_s * 1e3:.1f} ms, waiting for rollouts {wait_s * 1e3:.1f} ms a step")
+        read_s = sum(m.get("trainer_read_s", 0.0) for m in metrics) / len(metrics)
+        print(
+            f"  trainer: step {step_s * 1e3:.1f} ms, reading its batch {read_s * 1e3:.1f} ms, "
+            f"waiting for rollouts {wait_s * 1e3:.1f} ms a step"
+        )
     print()
     print(
         f"step time {wall / n * 1e3:.1f} ms, CPU {total / n * 1e3:.1f} ms a step ({share:.0%} of the cores)"

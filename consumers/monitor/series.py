@@ -32,7 +32,8 @@ TRAINER_METRICS = (
     "masked_frac",
     "grad_norm",
     "trainer_idle_frac",
-    "trainer_wait_s",
+    "trainer_wait_s",  # waiting for a batch of fresh groups
+    "trainer_read_s",  # reading and checking the batch's arrays
     "groups_no_signal",  # the share of the step's groups whose rewards are all alike
 )
 _GENERATIONS_KEPT = 200_000  # generations waiting for their rollout's step (a bound, not a target)

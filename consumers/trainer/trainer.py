@@ -275,7 +275,7 @@ class Trainer:
 
     # ---------------------------------------------------------------- training
 
-    async def step(self, groups: list[Group], wait_s: float) -> None:
+    async def step(self, groups: list[Group], wait_s: float, read_s: float = 0.0) -> None:
         t0 = time.perf_counter()
         # Training order: groups by arrival, samples by index (recorded in StepCompleted).
         for g in groups:
@@ -304,6 +304,7 @@ class Trainer:
             staleness_mean=sum(stale) / len(stale),
             staleness_max=float(max(stale)),
             trainer_wait_s=wait_s,
+            trainer_read_s=read_s,
             trainer_idle_frac=self.wait_s / elapsed if elapsed > 0 else 0.0,
             withheld_total=float(len(self.withheld_ids)),
             groups=float(len(groups)),
@@ -475,6 +476,7 @@ class Trainer:
     async def train_ready(self, consumer: PullConsumer[ev.RolloutsScored]) -> bool:
         """Withhold the stale ready groups, then take one step if ``batch_groups`` fresh groups
         are ready, filled by the envs' shares. Returns whether it stepped."""
+        ready_at: float | None = None
         while True:
             ready = []
             for g in self.buffer.ready():
@@ -491,12 +493,15 @@ class Trainer:
             batch = fill_batch(
                 ready, self.s.batch_groups, self.buffer.shares, key=lambda g: g.route, rotate=self.version
             )
+            ready_at = ready_at or time.monotonic()
             if not await self.vet(consumer, batch):
                 continue  # a group was rejected: fill the batch again from what is left
             self.buffer.take(batch)
-            wait = time.monotonic() - self.last_step_end
+            # Idle is the wait for a batch of fresh groups; reading and checking its arrays is
+            # the trainer's own work, timed apart.
+            wait, read = ready_at - self.last_step_end, time.monotonic() - ready_at
             self.wait_s += wait
-            await self.step(batch, wait)
+            await self.step(batch, wait, read)
             self.last_step_end = time.monotonic()
             return True
 

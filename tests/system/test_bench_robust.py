@@ -52,6 +52,11 @@ def test_async_few_or_simultaneous_steps_give_no_rate(async_bench: ModuleType) -
 def test_async_ratio_needs_a_measured_baseline(async_bench: ModuleType) -> None:
     fast = async_bench.mode_figures(steps_at([0, 1, 2, 3, 4, 5, 6], trainer_wait_s=0.1, step_s=0.9), 45.0)
     assert fast.steps_per_min == pytest.approx(60.0) and fast.idle == pytest.approx(0.1)
+    # Reading and checking the batch is the trainer's work, not idleness.
+    reading = async_bench.mode_figures(
+        steps_at([0, 1, 2, 3, 4, 5, 6], trainer_wait_s=0.1, trainer_read_s=0.2, step_s=0.7), 45.0
+    )
+    assert reading.idle == pytest.approx(0.1)
     slow = async_bench.mode_figures(steps_at([0, 10]), 45.0)
     assert async_bench.speedup_line(1, fast, slow) == (
         "async/sync steps-per-minute k=1: no sync baseline to compare with "
