@@ -36,7 +36,16 @@ record = st.one_of(
         t,
         ids,
         ids,
-        st.lists(st.tuples(ids, st.sampled_from(["stop", "length", "error", ""])), max_size=4).map(tuple),
+        st.lists(
+            st.builds(
+                rec.GeneratedSample,
+                ids,
+                small,
+                st.sampled_from(["stop", "length", "error", ""]),
+                st.none() | small,
+            ),
+            max_size=4,
+        ).map(tuple),
         num,
         num,
     ),
