@@ -41,7 +41,7 @@ from nats.js.object_store import ObjectStore
 
 from jetrl.bus import events as ev
 from jetrl.bus.log import get_logger
-from jetrl.bus.retry import retrying
+from jetrl.bus.retry import RETRY_S, retrying
 from jetrl.bus.settings import BusSettings
 from jetrl.bus.streams import payload_bucket, stored_message, stream_name
 from jetrl.plugins import PAYLOAD_STORES
@@ -62,6 +62,10 @@ class PayloadIntegrityError(PayloadError):
 
 class PayloadMissing(PayloadError):
     pass
+
+
+class ChunksStalled(TimeoutError):
+    """An object's chunks stopped coming: retried as a timeout is, then the payload is missing."""
 
 
 # --------------------------------------------------------------------------- arrays
@@ -224,6 +228,10 @@ class ObjectStorePayloads:
 
     kind = "objstore"
     held_by_writer = False
+    # nats-py's get waits for an object's chunks for ever: a read that gets no chunk for
+    # ``stall_s`` is started again (a consumer lost in a leader election), for ``retry_s``.
+    stall_s = 15.0
+    retry_s = RETRY_S
 
     def __init__(self, obj: ObjectStore, bucket: str) -> None:
         self.obj = obj
@@ -263,20 +271,38 @@ class ObjectStorePayloads:
             # Into a buffer of the object's size: without one nats-py appends each chunk to a
             # bytes object, a copy of all read so far per chunk (19 s for 64 MiB, measured).
             into = _BufferWriter(int(info.size or 0))
-            await self.obj.get(ref.name, writeinto=into)
+            await self._chunks(ref.name, into)
             return into
 
         try:
             # Retried through a leader election of the bucket's stream, as a put is (a reader
             # that gave up would crash its part, which restarts into the same election).
-            into = await retrying(f"get {ref.bucket}/{ref.name}", read)
+            into = await retrying(f"get {ref.bucket}/{ref.name}", read, retry_s=self.retry_s)
         except nats.js.errors.ObjectNotFoundError:
             raise PayloadMissing(f"payload {ref.bucket}/{ref.name} not found") from None
+        except ChunksStalled as exc:
+            raise PayloadMissing(f"payload {ref.bucket}/{ref.name}: {exc}") from None
         except nats.js.errors.DigestMismatchError as exc:
             raise PayloadIntegrityError(
                 f"payload {ref.bucket}/{ref.name} corrupted in the store: {exc}"
             ) from None
         return into.value()
+
+    async def _chunks(self, name: str, into: _BufferWriter) -> None:
+        """The object's chunks into ``into``; :class:`ChunksStalled` when none came for ``stall_s``."""
+        get = asyncio.ensure_future(self.obj.get(name, writeinto=into))
+        try:
+            seen = -1
+            while not (await asyncio.wait({get}, timeout=self.stall_s))[0]:
+                if into.written == seen:
+                    raise ChunksStalled(f"no chunk came for {self.stall_s:g} s ({into.written} bytes read)")
+                seen = into.written
+            get.result()
+        finally:
+            if not get.done():
+                get.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await get
 
     async def read_into(self, ref: ev.PayloadRef, out: memoryview, progress: Callable[[int], None]) -> bool:
         async def read() -> None:
@@ -295,16 +321,18 @@ class ObjectStorePayloads:
             # nats-py hashes the chunks as they come and compares with the object's digest: that
             # is the check, so progress is not told (the caller would hash them a second time).
             into = _BufferWriter(ref.size, out)
-            await self.obj.get(ref.name, writeinto=into)
+            await self._chunks(ref.name, into)
             if into.written != ref.size:
                 raise PayloadIntegrityError(
                     f"payload {ref.bucket}/{ref.name}: read {into.written} of {ref.size} bytes"
                 )
 
         try:
-            await retrying(f"get {ref.bucket}/{ref.name}", read)
+            await retrying(f"get {ref.bucket}/{ref.name}", read, retry_s=self.retry_s)
         except nats.js.errors.ObjectNotFoundError:
             raise PayloadMissing(f"payload {ref.bucket}/{ref.name} not found") from None
+        except ChunksStalled as exc:
+            raise PayloadMissing(f"payload {ref.bucket}/{ref.name}: {exc}") from None
         except nats.js.errors.DigestMismatchError as exc:
             raise PayloadIntegrityError(
                 f"payload {ref.bucket}/{ref.name} corrupted in the store: {exc}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from pathlib import Path
 
@@ -58,6 +59,24 @@ async def test_corrupted_payload_fails_loudly(bus: Bus, run_id: str) -> None:
         await pay.get_bytes(
             ev.PayloadRef(store="objstore", bucket=ref.bucket, name="nope", size=1, sha256="0")
         )
+
+
+async def test_a_read_whose_chunks_stop_coming_gives_up(bus: Bus, run_id: str) -> None:
+    # nats-py's get waits for an object's chunks for ever; here they are gone from the bucket's
+    # stream (its description still there), so none ever comes.
+    store = await ObjectStorePayloads.for_run(bus.js, run_id)
+    store.stall_s, store.retry_s = 0.3, 0.5
+    pay = Payloads(store, inline_threshold=0)
+    data = np.arange(100_000, dtype=np.float32)  # 400 KB: several chunks
+    ref = await pay.put_array("logprobs-stalled", data)
+    assert isinstance(ref, ev.PayloadRef)
+    info = await store.obj.get_info(ref.name)
+    await bus.js.purge_stream(f"OBJ_{store.bucket}", subject=f"$O.{store.bucket}.C.{info.nuid}")
+    with pytest.raises(PayloadMissing, match=r"no chunk came for 0\.3 s"):
+        await asyncio.wait_for(pay.get_array(ref), 20.0)
+    out = memoryview(bytearray(ref.size))
+    with pytest.raises(PayloadMissing, match="no chunk came"):
+        await asyncio.wait_for(store.read_into(ref, out, lambda n: None), 20.0)
 
 
 async def test_small_arrays_ride_inline(bus: Bus, run_id: str) -> None:
