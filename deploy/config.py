@@ -45,6 +45,10 @@ class RunSettings(Section):
     host_together: list[Literal["producer", "inference", "trainer", "recorder", "monitor"]] = Field(
         default_factory=list
     )
+    # Added to the niceness of the parts that only read the log (the monitor, the recorder):
+    # off the training's path, they yield the cores to it when the machine is short of them
+    # (docs/running.md "Where a step's time goes"). 0 keeps them level with the others.
+    follower_nice: int = Field(10, ge=0, le=19)
 
 
 class RunConfig(Section):

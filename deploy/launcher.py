@@ -128,9 +128,13 @@ def _module_of(argv: list[str]) -> tuple[str, list[str]] | None:
     return None
 
 
-def _run_forked(module: str, args: list[str], env: dict[str, str], log_path: str, cwd: str) -> None:
-    """The part's life in the forked child: its own session, log, environment and threads,
-    then its module as ``python -m`` runs it (its SystemExit is the exit code)."""
+def _run_forked(
+    module: str, args: list[str], env: dict[str, str], log_path: str, cwd: str, nice: int = 0
+) -> None:
+    """The part's life in the forked child: its own session, log, environment, threads and
+    priority, then its module as ``python -m`` runs it (its SystemExit is the exit code)."""
+    if nice:
+        os.nice(nice)  # first: every thread the part starts inherits it
     # ps and /proc show the command a fresh process would have had, not the fork server's.
     setproctitle.setproctitle(" ".join([sys.executable, "-m", module, *args]))
     os.setsid()  # killed as a group, like a part started with start_new_session
@@ -158,19 +162,26 @@ def _run_forked(module: str, args: list[str], env: dict[str, str], log_path: str
         atexit._run_exitfuncs()
 
 
-def start_part(argv: list[str], env: Mapping[str, str], log_path: Path, *, fork: bool = True) -> PartProcess:
+def start_part(
+    argv: list[str], env: Mapping[str, str], log_path: Path, *, fork: bool = True, nice: int = 0
+) -> PartProcess:
     """Start one part, its output appended to ``log_path``: forked when it is a ``python -m``
-    command and ``fork`` holds, else a fresh process."""
+    command and ``fork`` holds, else a fresh process; ``nice`` is added to its niceness."""
     target = _module_of(argv) if fork else None
     if target is None:
         with log_path.open("ab") as out:
             return subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, env=dict(env), start_new_session=True
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=dict(env),
+                start_new_session=True,
+                preexec_fn=(lambda: os.nice(nice)) if nice else None,  # only os.nice: safe in the child
             )
     module, args = target
     proc = fork_server().Process(
         target=_run_forked,
-        args=(module, args, dict(env), str(log_path), os.getcwd()),
+        args=(module, args, dict(env), str(log_path), os.getcwd(), nice),
         name=module,
         daemon=False,
     )

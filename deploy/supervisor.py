@@ -156,7 +156,13 @@ class Supervisor:
         # A wandb-core this process may run is not the part's: a part shares none, so that a
         # killed monitor's W&B run is not left "in use" there for its successor.
         env.pop("WANDB_SERVICE", None)
-        part.proc = start_part(part.argv, env, logs / f"{part.name}.log", fork=self.cfg.run.fork_parts)
+        part.proc = start_part(
+            part.argv,
+            env,
+            logs / f"{part.name}.log",
+            fork=self.cfg.run.fork_parts,
+            nice=self.cfg.run.follower_nice if part.follows else 0,
+        )
         self.log.info("part_started", part=part.name, pid=part.proc.pid, restarts=part.restarts)
 
     def join_tenants(self, reg: TenantRegistry) -> None:

@@ -39,6 +39,15 @@ def test_a_part_reports_what_it_was_started_with(fork: bool, tmp_path: Path) -> 
     assert out[1] == "to stderr"  # both streams in the part's log
 
 
+@pytest.mark.parametrize("fork", [True, False])
+def test_a_part_started_nicer_runs_at_that_priority(fork: bool, tmp_path: Path) -> None:
+    log = tmp_path / "part.log"
+    proc = start_part([*CHILD, "report", "0"], dict(os.environ), log, fork=fork, nice=7)
+    assert wait_for(proc) == 0
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    assert json.loads(log.read_text().splitlines()[0])["nice"] == min(19, mine + 7)
+
+
 def test_a_forked_part_is_killed_and_waited_for_like_a_process(tmp_path: Path) -> None:
     proc = start_part([*CHILD, "sleep", "60"], dict(os.environ), tmp_path / "p.log")
     assert isinstance(proc, ForkedPart) and proc.poll() is None

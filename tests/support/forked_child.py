@@ -26,6 +26,7 @@ def main(argv: list[str]) -> int:
                     "cwd": os.getcwd(),
                     "main": __name__,
                     "cmdline": Path("/proc/self/cmdline").read_bytes().replace(b"\0", b" ").decode().strip(),
+                    "nice": os.getpriority(os.PRIO_PROCESS, 0),
                 }
             ),
             flush=True,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 from pathlib import Path
 
@@ -54,6 +55,9 @@ async def test_trackers_hold_every_step_once_across_a_killed_monitor(
         await asyncio.sleep(0.1)
         mon = next((p for p in sup.parts if p.name == "monitor"), None)
         if not killed and mon is not None and mon.proc is not None and len(sup.progress.steps) >= KILL_AT:
+            # Off the training's path, the monitor yields the cores ([run] follower_nice).
+            nice = os.getpriority(os.PRIO_PROCESS, mon.proc.pid)
+            assert nice == min(19, os.getpriority(os.PRIO_PROCESS, 0) + cfg.run.follower_nice) > 0
             mon.proc.send_signal(signal.SIGKILL)  # mid-run: no close, no flush
             killed = True
     assert await run == 0
