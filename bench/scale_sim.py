@@ -500,7 +500,9 @@ class CountingStore:
     held_by_writer = False
     bucket = "paper"
 
-    async def put(self, name: str, data: Buffer, *, sha256: bool = True) -> ev.PayloadRef:
+    async def put(
+        self, name: str, data: Buffer, *, sha256: bool = True, durable: bool = True
+    ) -> ev.PayloadRef:
         size = data.nbytes if isinstance(data, memoryview) else len(data)
         return ev.PayloadRef(store=self.kind, bucket=self.bucket, name=name, size=size, sha256="0" * 64)
 

@@ -168,7 +168,9 @@ class MooncakePayloads:
 
     # ------------------------------------------------------------------ writing
 
-    async def put(self, name: str, data: Buffer, *, sha256: bool = True) -> ev.PayloadRef:
+    async def put(
+        self, name: str, data: Buffer, *, sha256: bool = True, durable: bool = True
+    ) -> ev.PayloadRef:
         if "#" in name:
             raise PayloadError(f"payload name {name!r} may not contain '#'")
         return await asyncio.to_thread(self._put, name, data, sha256)

@@ -170,11 +170,15 @@ class PayloadStore(Protocol):
     # restarted writer must put them again, and what outlives it goes to another store.
     held_by_writer: bool
 
-    async def put(self, name: str, data: Buffer, *, sha256: bool = True) -> ev.PayloadRef:
+    async def put(
+        self, name: str, data: Buffer, *, sha256: bool = True, durable: bool = True
+    ) -> ev.PayloadRef:
         """Store ``data`` under ``name``. ``sha256=False``: the caller has the bytes checked
         another way (a WeightsReady's ``blake3``), so the reference's ``sha256`` is left empty
-        where it would cost a pass over the bytes of its own. A read-only buffer is never
-        changed by its owner: a store may keep it as it is."""
+        where it would cost a pass over the bytes of its own. ``durable=False``: the bytes need
+        not outlive a crash of the machine (a reader finds them missing or failing their check,
+        and the writer puts them again), so a store may skip flushing them to disk. A read-only
+        buffer is never changed by its owner: a store may keep it as it is."""
         ...
 
     async def get_bytes(self, ref: ev.PayloadRef) -> bytes: ...
@@ -250,7 +254,9 @@ class ObjectStorePayloads:
             raise PayloadError(f"payload bucket {bucket} does not exist; call Bus.ensure_run first") from None
         return cls(obj, bucket)
 
-    async def put(self, name: str, data: Buffer, *, sha256: bool = True) -> ev.PayloadRef:
+    async def put(
+        self, name: str, data: Buffer, *, sha256: bool = True, durable: bool = True
+    ) -> ev.PayloadRef:
         # Retried through a leader election of the bucket's stream (a fresh reader each time).
         info = await retrying(
             f"put {self.bucket}/{name}",
@@ -381,9 +387,11 @@ class FilePayloads:
             raise PayloadError(f"payload name {name!r} must be a plain file name")
         return self.root / self.bucket / name
 
-    async def put(self, name: str, data: Buffer, *, sha256: bool = True) -> ev.PayloadRef:
+    async def put(
+        self, name: str, data: Buffer, *, sha256: bool = True, durable: bool = True
+    ) -> ev.PayloadRef:
         path = self._path(name)
-        await asyncio.to_thread(_atomic_write, path, data)
+        await asyncio.to_thread(_atomic_write, path, data, durable)
         return _ref(self, name, data, _sha256(data) if sha256 else "")
 
     async def get_bytes(self, ref: ev.PayloadRef) -> bytes:
@@ -429,7 +437,9 @@ class NoPayloadStore:
     kind = "none"
     held_by_writer = False
 
-    async def put(self, name: str, data: Buffer, *, sha256: bool = True) -> ev.PayloadRef:
+    async def put(
+        self, name: str, data: Buffer, *, sha256: bool = True, durable: bool = True
+    ) -> ev.PayloadRef:
         raise PayloadError(
             f"{name}: {len(data)} bytes is past what an event carries here, and there is no payload store"
         )
@@ -451,13 +461,14 @@ def _ref(store: ObjectStorePayloads | FilePayloads, name: str, data: Buffer, dig
     return ev.PayloadRef(store=store.kind, bucket=store.bucket, name=name, size=size, sha256=digest)
 
 
-def _atomic_write(path: Path, data: Buffer) -> None:
+def _atomic_write(path: Path, data: Buffer, durable: bool = True) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with tmp.open("wb") as f:
         f.write(data)
         f.flush()
-        os.fsync(f.fileno())
+        if durable:  # an fsync a step stalls the run where a store's commits share the disk
+            os.fsync(f.fileno())
     tmp.replace(path)
 
 

@@ -40,7 +40,7 @@ from jetrl.bus import ids, subjects
 from jetrl.bus.client import Bus
 from jetrl.bus.consumer import Batch, PullConsumer
 from jetrl.bus.log import get_logger
-from jetrl.bus.payloads import PayloadError, Payloads, PayloadStore
+from jetrl.bus.payloads import PayloadError, Payloads, PayloadStore, WeightsAnnounced
 from jetrl.bus.streams import payload_bucket
 from jetrl.consumers.trainer.admission import (
     GROUP_REASONS,
@@ -153,6 +153,8 @@ class Trainer:
         elif self.version > 0 and self.weights_store is not None and self.weights_store.held_by_writer:
             # The announced bytes died with the trainer that held them: announce them again.
             await self.announce_version(again=True)
+        elif self.version > 0:
+            await self.restore_weights(log.weights[self.version])
         self.log.info(
             "trainer_recovered",
             version=self.version,
@@ -182,7 +184,10 @@ class Trainer:
         if v == 0 and store.held_by_writer and self.payloads is not None:
             store = self.payloads.default
         # Readers check the bytes against the transfer digest: no SHA-256 pass of the store's.
-        ref = await store.put(f"weights-v{v}", exported.data, sha256=False)
+        # Only version 0 must outlive a crash of the machine (a recovery without a checkpoint
+        # starts from it); the others are rebuilt from checkpoints and the log, and announced
+        # again.
+        ref = await store.put(f"weights-v{v}", exported.data, sha256=False, durable=v == 0)
         if not again:
             await self.bus.publish(
                 ev.new_event(
@@ -210,6 +215,27 @@ class Trainer:
         if keep is not None and v - keep >= 1:  # announced first: a worker reads the newest
             await self.weights_store.discard(f"weights-v{v - keep}")
         return int(ack.seq)
+
+    async def restore_weights(self, ready: WeightsAnnounced) -> None:
+        """Weights after version 0 are put without a flush to disk, so a crash of the machine
+        may have lost the announced bytes: where they no longer read back as announced, they
+        are put again under the announced name (the same bytes: the recovered weights are the
+        logged ones), or announced anew where the export differs."""
+        assert self.payloads is not None
+        try:
+            await self.payloads.get_weights(ready)
+            return
+        except PayloadError as exc:
+            self.log.warning("announced_weights_unreadable", version=self.version, error=str(exc))
+        exported = await asyncio.to_thread(
+            self.core.engine.export_weights, {"version": str(self.version), "run": self.run_id}
+        )
+        if ready.blake3 is None or exported.blake3 != ready.blake3:
+            await self.announce_version(again=True)
+            return
+        store = self.payloads.store(ready.location.store)
+        await store.put(ready.location.name, exported.data, sha256=False, durable=False)
+        self.log.info("announced_weights_restored", version=self.version)
 
     async def publish_step(
         self,

@@ -132,6 +132,43 @@ async def test_trainer_killed_mid_run_recovers_by_replay(nats_server: EmbeddedSe
     assert trainer_log.count('"trainer_recovered"') == 2
 
 
+@pytest.mark.fault
+async def test_weights_lost_with_the_machine_are_put_again_by_the_recovered_trainer(
+    nats_server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """Weights files after version 0 are written without a flush to disk. Here the trainer and
+    the worker die and the newest announced file loses its bytes, as a machine's crash would
+    lose them: the recovered trainer finds it unreadable and puts it again, so the restarted
+    worker loads it and the run finishes (else that worker can only wait for a newer version,
+    which a trainer with no rollouts left to train on never makes)."""
+    run_id = "weightslost"
+    steps = 8
+    args = ["--trainer.max_steps", str(steps), "--trainer.ack_wait_s", "2", "--trainer.checkpoint_every", "3"]
+    cfg = load_config(None, [*args, *OVERRIDES, "--bus.weights_store", "file"])
+    sup = Supervisor(cfg, run_id, tmp_path / run_id, nats_url=nats_server.url, quiet=True)
+    run = asyncio.create_task(sup.run())
+    while len(sup.progress.steps) < 4 and not run.done():
+        await asyncio.sleep(0.05)
+    dead = [p for p in sup.parts if p.name in ("trainer", "inference-0") and p.proc is not None]
+    for p in dead:
+        assert p.proc is not None and p.proc.poll() is None
+        p.proc.send_signal(signal.SIGKILL)
+    for p in dead:
+        assert p.proc is not None
+        p.proc.wait(10)
+    files = sorted(
+        (tmp_path / run_id).rglob("weights-v*"), key=lambda f: int(f.name.removeprefix("weights-v"))
+    )
+    newest = files[-1]
+    assert int(newest.name.removeprefix("weights-v")) >= 3
+    newest.write_bytes(b"\0" * newest.stat().st_size)  # the bytes the page cache held, gone
+    assert await asyncio.wait_for(run, 120) == 0
+    trainer_log = (tmp_path / run_id / "logs" / "trainer.log").read_text()
+    assert '"announced_weights_restored"' in trainer_log
+    log = await read_log(nats_server.url, run_id)
+    assert sorted(e.body.step for e in log if isinstance(e.body, ev.StepCompleted)) == list(range(steps))
+
+
 async def test_a_rollout_is_read_at_the_sequence_its_step_recorded(bus: Bus, run_id: str) -> None:
     """A rollout id is only a name: a hostile event published first under it (and refused by
     the trainer) must not be what a restarted trainer reads back as that rollout, nor the

@@ -41,7 +41,9 @@ class ZippedPayloads:
             raise PayloadError(f"payload name {name!r} must be a plain file name")
         return self.dir / f"{name}.z"
 
-    async def put(self, name: str, data: Buffer, *, sha256: bool = True) -> ev.PayloadRef:
+    async def put(
+        self, name: str, data: Buffer, *, sha256: bool = True, durable: bool = True
+    ) -> ev.PayloadRef:
         path = self._path(name)
 
         def write() -> None:
