@@ -185,8 +185,8 @@ class Trainer:
             store = self.payloads.default
         # Readers check the bytes against the transfer digest: no SHA-256 pass of the store's.
         # Only version 0 must outlive a crash of the machine (a recovery without a checkpoint
-        # starts from it); the others are rebuilt from checkpoints and the log, and announced
-        # again.
+        # starts from it); a later version's bytes lost with the machine are put again by the
+        # recovered trainer (restore_weights).
         ref = await store.put(f"weights-v{v}", exported.data, sha256=False, durable=v == 0)
         if not again:
             await self.bus.publish(
