@@ -48,6 +48,7 @@ if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
     )
 
 from selenium import webdriver  # noqa: E402  (after the skip: selenium is a dev extra)
+from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
@@ -109,7 +110,14 @@ def dedupe(values: list[int]) -> list[int]:
 
 
 def wait_for(d: WebDriver, what: Callable[[WebDriver], T], timeout: float, message: str) -> T:
-    return WebDriverWait(d, timeout, poll_frequency=0.2).until(what, message)
+    # The page redraws parts of itself at every push: an element found may be replaced before
+    # it is used, and is then looked up again.
+    return WebDriverWait(
+        d,
+        timeout,
+        poll_frequency=0.2,
+        ignored_exceptions=(NoSuchElementException, StaleElementReferenceException),
+    ).until(what, message)
 
 
 def browser_errors(d: WebDriver) -> list[str]:
@@ -214,22 +222,31 @@ async def test_the_dashboard_follows_a_real_run_and_shows_the_stores_figures(
             assert reward == pytest.approx(h.reward_mean, abs=1e-12)
             assert loss == pytest.approx(h.metrics["loss"], rel=1e-12, abs=1e-15)
         assert await asyncio.to_thread(attr, driver, "chart-reward", "data-points") == str(len(history))
-        rows = await asyncio.to_thread(driver.find_elements, By.CSS_SELECTOR, "#workers tr[data-worker]")
-        shown_workers = {await asyncio.to_thread(r.get_attribute, "data-worker") for r in rows}
+        # In one script: the table is redrawn at every push, its rows replaced.
+        shown_workers = set(
+            await asyncio.to_thread(
+                driver.execute_script,
+                "return [...document.querySelectorAll('#workers tr[data-worker]')]"
+                ".map(r => r.dataset.worker)",
+            )
+        )
         # Every inference worker of the run, by its heartbeats (the trainer sends none).
         assert shown_workers == {f"inf-{i}" for i in range(cfg.inference.workers)}
         art = artifacts_dir()
         await asyncio.to_thread(driver.save_screenshot, str(art / "monitor-dashboard.png"))
 
         # The inspector: a click on the reward chart picks a step...
-        def click_reward_chart(d: WebDriver) -> None:
+        def click_reward_chart(d: WebDriver) -> bool:
             from selenium.webdriver.common.action_chains import ActionChains
 
             layer = d.find_element(By.CSS_SELECTOR, "#chart-reward .nsewdrag")
             d.execute_script("arguments[0].scrollIntoView({block: 'center'})", layer)
             ActionChains(d).move_to_element(layer).pause(0.3).click().perform()
+            return True
 
-        await asyncio.to_thread(click_reward_chart, driver)
+        await asyncio.to_thread(
+            wait_for, driver, click_reward_chart, 20, "the reward chart could not be clicked"
+        )
         picked = await asyncio.to_thread(
             wait_for,
             driver,
