@@ -28,10 +28,10 @@ import hashlib
 import io
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 import nats.js.errors
@@ -50,6 +50,9 @@ log = get_logger(__name__)
 
 DEFAULT_INLINE_THRESHOLD = 16 * 1024
 _ALLOWED_DTYPES = {"uint8", "uint16", "int32", "int64", "float16", "float32", "float64", "bfloat16"}
+
+
+T = TypeVar("T")
 
 
 class PayloadError(RuntimeError):
@@ -280,10 +283,14 @@ class ObjectStorePayloads:
             await self._chunks(ref.name, into)
             return into
 
+        return (await self._reading(ref, read)).value()
+
+    async def _reading(self, ref: ev.PayloadRef, read: Callable[[], Awaitable[T]]) -> T:
+        """``read()`` retried through a leader election of the bucket's stream, as a put is (a
+        reader that gave up would crash its part, which restarts into the same election), its
+        failures told as the payload's."""
         try:
-            # Retried through a leader election of the bucket's stream, as a put is (a reader
-            # that gave up would crash its part, which restarts into the same election).
-            into = await retrying(f"get {ref.bucket}/{ref.name}", read, retry_s=self.retry_s)
+            return await retrying(f"get {ref.bucket}/{ref.name}", read, retry_s=self.retry_s)
         except nats.js.errors.ObjectNotFoundError:
             raise PayloadMissing(f"payload {ref.bucket}/{ref.name} not found") from None
         except ChunksStalled as exc:
@@ -292,13 +299,12 @@ class ObjectStorePayloads:
             raise PayloadIntegrityError(
                 f"payload {ref.bucket}/{ref.name} corrupted in the store: {exc}"
             ) from None
-        return into.value()
 
     async def _chunks(self, name: str, into: _BufferWriter) -> None:
         """The object's chunks into ``into``; :class:`ChunksStalled` when none came for ``stall_s``."""
         get = asyncio.ensure_future(self.obj.get(name, writeinto=into))
         try:
-            seen = -1
+            seen = into.written
             while not (await asyncio.wait({get}, timeout=self.stall_s))[0]:
                 if into.written == seen:
                     raise ChunksStalled(f"no chunk came for {self.stall_s:g} s ({into.written} bytes read)")
@@ -333,16 +339,7 @@ class ObjectStorePayloads:
                     f"payload {ref.bucket}/{ref.name}: read {into.written} of {ref.size} bytes"
                 )
 
-        try:
-            await retrying(f"get {ref.bucket}/{ref.name}", read, retry_s=self.retry_s)
-        except nats.js.errors.ObjectNotFoundError:
-            raise PayloadMissing(f"payload {ref.bucket}/{ref.name} not found") from None
-        except ChunksStalled as exc:
-            raise PayloadMissing(f"payload {ref.bucket}/{ref.name}: {exc}") from None
-        except nats.js.errors.DigestMismatchError as exc:
-            raise PayloadIntegrityError(
-                f"payload {ref.bucket}/{ref.name} corrupted in the store: {exc}"
-            ) from None
+        await self._reading(ref, read)
         return True
 
     async def discard(self, name: str) -> None:
