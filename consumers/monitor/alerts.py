@@ -36,8 +36,14 @@ class Condition:
 def _version_lag(state: MonitorState, s: AlertSettings) -> int:
     if s.max_version_lag is not None:
         return s.max_version_lag
-    lag = state.config.get("trainer", {}).get("max_off_policy_steps", MAX_OFF_POLICY_STEPS)
-    return int(lag) if isinstance(lag, int | float) else MAX_OFF_POLICY_STEPS
+    lag = _trainer_setting(state, "max_off_policy_steps")
+    return int(lag) if lag is not None else MAX_OFF_POLICY_STEPS
+
+
+def _trainer_setting(state: MonitorState, key: str) -> float | None:
+    """A number of the run's [trainer] settings as RunStarted recorded them (None if absent)."""
+    value = state.config.get("trainer", {}).get(key)
+    return float(value) if isinstance(value, int | float) else None
 
 
 def conditions(state: MonitorState, s: AlertSettings, now: float) -> Iterator[Condition]:
@@ -142,7 +148,7 @@ def conditions(state: MonitorState, s: AlertSettings, now: float) -> Iterator[Co
     if len(steps) >= n:
         share = sum(p.trainer.get("groups_no_signal", 0.0) for p in steps[-n:]) / n
         reward = sum(p.reward_mean for p in steps[-n:]) / n
-        target = _reward_target(state)
+        target = _trainer_setting(state, "stop_at_reward")
         entropy = steps[-1].trainer.get("entropy", float("nan"))
         yield Condition(
             "no_signal",
@@ -154,11 +160,6 @@ def conditions(state: MonitorState, s: AlertSettings, now: float) -> Iterator[Co
             f"{100 * share:.0f}% of the last {n} steps' groups had rewards all alike, so no advantage "
             f"to learn from (reward {reward:.3f}, entropy {entropy:.3f}): the policy may have collapsed",
         )
-
-
-def _reward_target(state: MonitorState) -> float | None:
-    target = state.config.get("trainer", {}).get("stop_at_reward")
-    return float(target) if isinstance(target, int | float) else None
 
 
 class Alerts:
