@@ -78,7 +78,12 @@ class UnsupportedSchemaVersion(EventDecodeError):
 # ----------------------------------------------------------------------------- arrays
 
 
-class InlineArray(msgspec.Struct, frozen=True, tag="inline"):
+# Every struct of an event is ``gc=False``: events are trees of data, never cycles, so the
+# garbage collector need not track them. A process that holds many decoded events (the
+# trainer's window of the log, the monitor's read model) otherwise walks them all at each full
+# collection, and decoding allocates enough to start collections often: a RolloutsScored of the
+# demo decoded in 114 us beside 1.8 M tracked objects, in 23 us untracked.
+class InlineArray(msgspec.Struct, gc=False, frozen=True, tag="inline"):
     """A small array carried inside the event: raw little-endian bytes plus dtype and shape."""
 
     dtype: str
@@ -86,7 +91,7 @@ class InlineArray(msgspec.Struct, frozen=True, tag="inline"):
     data: bytes
 
 
-class PayloadRef(msgspec.Struct, frozen=True, tag="ref"):
+class PayloadRef(msgspec.Struct, gc=False, frozen=True, tag="ref"):
     """A claim-check: where a large blob lives and how to check it.
 
     ``store`` names the payload store kind ("objstore", "file", "mooncake"), ``bucket`` and
@@ -101,7 +106,7 @@ class PayloadRef(msgspec.Struct, frozen=True, tag="ref"):
     shape: tuple[int, ...] | None = None
 
 
-class LogArray(msgspec.Struct, frozen=True, tag="log"):
+class LogArray(msgspec.Struct, gc=False, frozen=True, tag="log"):
     """An array already in this run's log: at ``field`` of the body of the event at stream
     sequence ``seq``, an inline array, or a list of token ids read as ``dtype``. ``field`` is a
     dotted path into the body: ``prompt_tokens`` (a task's), ``samples.3.logprobs`` (a sample
@@ -121,7 +126,7 @@ ArrayRef = InlineArray | PayloadRef | LogArray
 # ----------------------------------------------------------------------------- bodies
 
 
-class EventBody(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+class EventBody(msgspec.Struct, gc=False, frozen=True, kw_only=True, omit_defaults=True):
     """Base of all bodies. ``TYPE`` is the wire name, ``SCHEMA_VERSION`` its current version.
 
     Subclasses restate ``frozen=True``: msgspec inherits it, but type checkers read each class's
@@ -167,7 +172,7 @@ class RunFinished(EventBody, frozen=True):
 WithheldReason = Literal["stale", "invalid", "incomplete_group", "run_finished"]
 
 
-class EpisodeState(msgspec.Struct, frozen=True, kw_only=True):
+class EpisodeState(msgspec.Struct, gc=False, frozen=True, kw_only=True):
     """A multi-turn episode so far, carried by the task of its next model turn so that a
     restarted producer finds it in the log. ``completion`` holds every turn after the first
     prompt (model and environment alike); ``mask`` is 1 where the model wrote the token;
@@ -209,13 +214,13 @@ class TaskSubmitted(EventBody, frozen=True):
     worker_hint: str = ""
 
 
-class GenerationTimings(msgspec.Struct, frozen=True, omit_defaults=True):
+class GenerationTimings(msgspec.Struct, gc=False, frozen=True, omit_defaults=True):
     queued_s: float = 0.0
     generate_s: float = 0.0
     load_wait_s: float = 0.0
 
 
-class Completion(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+class Completion(msgspec.Struct, gc=False, frozen=True, kw_only=True, omit_defaults=True):
     """One sample of a task: its completion token ids (int32), the inference logprobs of the
     sampled tokens (float32, one per completion token, under the distribution they were drawn
     from) and, for MoE models, its Router Replay trace ``[prompt + completion - 1, moe_layers,
@@ -248,7 +253,7 @@ class CompletionsGenerated(EventBody, frozen=True):
     turn: int = 0
 
 
-class ScoredRollout(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+class ScoredRollout(msgspec.Struct, gc=False, frozen=True, kw_only=True, omit_defaults=True):
     """One scored rollout of a :class:`RolloutsScored`. A multi-turn episode is one rollout:
     ``completion_tokens`` holds every model turn and the environment's replies in order,
     ``completion_mask`` (uint8, 1 = model token) tells them apart, and ``logprobs`` is 0 on
@@ -447,7 +452,7 @@ CATALOG: dict[str, type[EventBody]] = {
 B = TypeVar("B", bound=EventBody)
 
 
-class Event(msgspec.Struct, frozen=True, kw_only=True):
+class Event(msgspec.Struct, gc=False, frozen=True, kw_only=True):
     """Envelope + body. ``event_id`` is also the NATS message id (publish deduplication)."""
 
     event_id: str
@@ -460,7 +465,7 @@ class Event(msgspec.Struct, frozen=True, kw_only=True):
     body: EventBody
 
 
-class _WireEnvelope(msgspec.Struct, kw_only=True):
+class _WireEnvelope(msgspec.Struct, gc=False, kw_only=True):
     # Body stays raw until type and version are checked, so a newer body is never mis-read.
     event_id: str
     type: str

@@ -46,7 +46,8 @@ __all__ = [
 ]
 
 
-class Started(msgspec.Struct, frozen=True):
+# Facts are gc=False like the events they come from (bus/events.py says why).
+class Started(msgspec.Struct, frozen=True, gc=False):
     """The run began with this config (RunStarted)."""
 
     OF: ClassVar[type[ev.EventBody]] = ev.RunStarted
@@ -60,7 +61,7 @@ class Started(msgspec.Struct, frozen=True):
     host: str = ""
 
 
-class Resumed(msgspec.Struct, frozen=True):
+class Resumed(msgspec.Struct, frozen=True, gc=False):
     """The run goes on, with this config (a resume's overrides in it): it is running again."""
 
     OF: ClassVar[type[ev.EventBody]] = ev.RunResumed
@@ -70,7 +71,7 @@ class Resumed(msgspec.Struct, frozen=True):
     tenant: str = ""
 
 
-class Finished(msgspec.Struct, frozen=True):
+class Finished(msgspec.Struct, frozen=True, gc=False):
     OF: ClassVar[type[ev.EventBody]] = ev.RunFinished
     seq: int
     t: float
@@ -80,7 +81,7 @@ class Finished(msgspec.Struct, frozen=True):
     tenant: str = ""
 
 
-class Tasked(msgspec.Struct, frozen=True):
+class Tasked(msgspec.Struct, frozen=True, gc=False):
     """A task asked for ``samples`` completions of one prompt."""
 
     OF: ClassVar[type[ev.EventBody]] = ev.TaskSubmitted
@@ -99,7 +100,7 @@ class Tasked(msgspec.Struct, frozen=True):
     info: dict[str, Any] = {}
 
 
-class GeneratedSample(msgspec.Struct, frozen=True):
+class GeneratedSample(msgspec.Struct, frozen=True, gc=False):
     """One sample of a generation (``length``: its completion tokens, None when unknown)."""
 
     generation_id: str
@@ -108,7 +109,7 @@ class GeneratedSample(msgspec.Struct, frozen=True):
     length: int | None
 
 
-class Generated(msgspec.Struct, frozen=True):
+class Generated(msgspec.Struct, frozen=True, gc=False):
     """A task's samples, by a worker, in sample order."""
 
     OF: ClassVar[type[ev.EventBody]] = ev.CompletionsGenerated
@@ -138,7 +139,7 @@ class Generated(msgspec.Struct, frozen=True):
         return self.samples[0].finish_reason if len(self.samples) == 1 else None
 
 
-class ScoredOne(msgspec.Struct, frozen=True):
+class ScoredOne(msgspec.Struct, frozen=True, gc=False):
     """One rollout of a scored group: its reward and the policy versions it came from."""
 
     rollout_id: str
@@ -152,7 +153,7 @@ class ScoredOne(msgspec.Struct, frozen=True):
     payloads: dict[str, dict[str, Any] | None] = {}
 
 
-class Scored(msgspec.Struct, frozen=True):
+class Scored(msgspec.Struct, frozen=True, gc=False):
     """Rollouts of one group ready to train on (a group's, or an episode's), in sample order."""
 
     OF: ClassVar[type[ev.EventBody]] = ev.RolloutsScored
@@ -169,7 +170,7 @@ class Scored(msgspec.Struct, frozen=True):
     prompt_length: int | None = None
 
 
-class Withheld(msgspec.Struct, frozen=True):
+class Withheld(msgspec.Struct, frozen=True, gc=False):
     """A rollout the trainer will never train on, and why."""
 
     OF: ClassVar[type[ev.EventBody]] = ev.RolloutWithheld
@@ -186,7 +187,7 @@ class Withheld(msgspec.Struct, frozen=True):
     detail: str = ""
 
 
-class Stepped(msgspec.Struct, frozen=True):
+class Stepped(msgspec.Struct, frozen=True, gc=False):
     """A training step: exactly these rollouts, in this order, made policy ``version``."""
 
     OF: ClassVar[type[ev.EventBody]] = ev.StepCompleted
@@ -203,7 +204,7 @@ class Stepped(msgspec.Struct, frozen=True):
     event_id: str = ""
 
 
-class Versioned(msgspec.Struct, frozen=True):
+class Versioned(msgspec.Struct, frozen=True, gc=False):
     """Policy ``version`` exists (made by ``step``) and its weights have this checksum."""
 
     OF: ClassVar[type[ev.EventBody]] = ev.PolicyVersionPublished
@@ -215,7 +216,7 @@ class Versioned(msgspec.Struct, frozen=True):
     parent_version: int | None = None
 
 
-class Ready(msgspec.Struct, frozen=True):
+class Ready(msgspec.Struct, frozen=True, gc=False):
     """The weights of policy ``version`` can be read at ``location``."""
 
     OF: ClassVar[type[ev.EventBody]] = ev.WeightsReady
@@ -228,7 +229,7 @@ class Ready(msgspec.Struct, frozen=True):
     blake3: str | None = None  # the transfer digest (absent in announcements of schema 1)
 
 
-class Beat(msgspec.Struct, frozen=True):
+class Beat(msgspec.Struct, frozen=True, gc=False):
     """A worker is alive, in this state (and, when it says so, serving ``loaded_version``)."""
 
     OF: ClassVar[type[ev.EventBody]] = ev.WorkerHeartbeat
@@ -242,7 +243,7 @@ class Beat(msgspec.Struct, frozen=True):
     stats: dict[str, float] = {}
 
 
-class Loaded(msgspec.Struct, frozen=True):
+class Loaded(msgspec.Struct, frozen=True, gc=False):
     OF: ClassVar[type[ev.EventBody]] = ev.WeightsLoaded
     seq: int
     t: float
@@ -253,7 +254,7 @@ class Loaded(msgspec.Struct, frozen=True):
     checksum_verified: bool = True
 
 
-class Dead(msgspec.Struct, frozen=True):
+class Dead(msgspec.Struct, frozen=True, gc=False):
     """A message no consumer could take, set aside with its reason (and its bytes)."""
 
     OF: ClassVar[type[ev.EventBody]] = ev.DeadLettered
@@ -272,7 +273,7 @@ class Dead(msgspec.Struct, frozen=True):
     original_data: bytes = b""
 
 
-class Evaluated(msgspec.Struct, frozen=True):
+class Evaluated(msgspec.Struct, frozen=True, gc=False):
     """Policy ``policy_version`` measured on an env's held-out split (its pass@1 and pass@k)."""
 
     OF: ClassVar[type[ev.EventBody]] = ev.EvaluationReported
@@ -293,7 +294,7 @@ class Evaluated(msgspec.Struct, frozen=True):
     event_id: str = ""
 
 
-class Alerted(msgspec.Struct, frozen=True):
+class Alerted(msgspec.Struct, frozen=True, gc=False):
     """A monitor's alert changed state (a transition, not a level)."""
 
     OF: ClassVar[type[ev.EventBody]] = ev.AlertRaised
