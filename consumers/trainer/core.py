@@ -100,6 +100,41 @@ class TrainCore:
             trace=trace,
         )
 
+    async def read_many(self, views: Sequence[ScoredView], payloads: Payloads) -> list[RolloutArrays]:
+        """:meth:`read_arrays` of several rollouts (a group's), each distinct array read once:
+        a group's members share one prompt."""
+        wanted: dict[tuple[ev.ArrayRef, str], int] = {}  # (array, the event it lies in) -> index
+
+        def at(ref: ev.ArrayRef, owner: str) -> int:
+            return wanted.setdefault((ref, owner), len(wanted))
+
+        def maybe(ref: ev.ArrayRef | None, owner: str) -> int | None:
+            return None if ref is None else at(ref, owner)
+
+        slots = []
+        for v in views:
+            own, r = v.body.generation_event_id, v.rollout
+            slots.append(
+                (
+                    at(v.body.prompt_tokens, v.prompt_owner),
+                    at(r.completion_tokens, own),
+                    at(r.logprobs, own),
+                    maybe(r.completion_mask, own),
+                    maybe(r.routing_trace if self.s.replay else None, own),
+                )
+            )
+        got = await payloads.get_arrays(list(wanted))
+        return [
+            RolloutArrays(
+                prompt=got[p],
+                completion=got[c],
+                logprobs=got[lp],
+                mask=None if m is None else got[m],
+                trace=None if t is None else got[t],
+            )
+            for p, c, lp, m, t in slots
+        ]
+
     async def rollouts(
         self,
         views: Sequence[ScoredView],

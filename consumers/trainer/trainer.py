@@ -465,12 +465,17 @@ class Trainer:
         for g in todo:
             read: dict[str, RolloutArrays] = {}
             refused: tuple[Member, tuple[str, str]] | None = None
-            for m in g.members:
-                try:
-                    read[m.rollout_id] = await self.core.read_arrays(self.view(m), self.payloads)
-                except READ_ERRORS as exc:
-                    refused = (m, ("bad_arrays", f"arrays cannot be read: {exc}"))
-                    break
+            try:
+                arrays = await self.core.read_many([self.view(m) for m in g.members], self.payloads)
+                read = {m.rollout_id: a for m, a in zip(g.members, arrays, strict=True)}
+            except READ_ERRORS:
+                # One of them cannot be read: find which, one by one, to refuse its event.
+                for m in g.members:
+                    try:
+                        read[m.rollout_id] = await self.core.read_arrays(self.view(m), self.payloads)
+                    except READ_ERRORS as exc:
+                        refused = (m, ("bad_arrays", f"arrays cannot be read: {exc}"))
+                        break
             if refused is None and _any_refused(read.values(), self.limits):
                 # One of them holds an impossible value: find which, to refuse its event.
                 for m in g.members:
