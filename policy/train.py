@@ -151,11 +151,12 @@ def collate(rollouts: Sequence[Rollout], model_cfg: ModelConfig, *, pad_id: int 
     mask = np.zeros((b, width - 1), dtype=bool)
     mask[crow, ccol] = np.concatenate([_model_tokens(r) for r in rollouts])
     inf_lp = np.zeros((b, width - 1), dtype=np.float32)
-    inf_lp[crow, ccol] = torch.cat([r.inference_logprobs.detach().float().cpu() for r in rollouts]).numpy()
+    # One conversion of the joined tensors, not one per rollout (each op costs a dispatch).
+    inf_lp[crow, ccol] = torch.cat([r.inference_logprobs.detach() for r in rollouts]).float().cpu().numpy()
     adv = torch.tensor([float(r.advantage) for r in rollouts], dtype=torch.float32)
     routing = None
     if has_traces:
-        flat = torch.cat([r.routing.long() for r in rollouts if r.routing is not None])
+        flat = torch.cat([r.routing for r in rollouts if r.routing is not None]).long()
         k = model_cfg.top_k
         # Padding rows route to experts 0..top_k-1, as pad_traces does (policy/routing.py).
         full = torch.arange(k, dtype=torch.long).expand(b, width - 1, model_cfg.num_moe_layers, k).clone()

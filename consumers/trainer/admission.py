@@ -27,6 +27,7 @@ Rejection = tuple[str, str]  # (reason slug, detail)
 TOKEN_DTYPES = frozenset({"uint8", "uint16", "int32", "int64"})
 FLOAT_DTYPES = frozenset({"float16", "float32", "float64"})  # bfloat16: numpy cannot read it
 TRACE_DTYPES = TOKEN_DTYPES
+MASK_DTYPES = frozenset({"uint8"})
 # Rewards become float32 advantages (squared when std-scaled): far below float32's overflow.
 MAX_ABS_REWARD = 1e9
 
@@ -142,15 +143,20 @@ class _Refused(Exception):
         self.rejection: Rejection = (reason, detail)
 
 
+# The dtypes a rollout's arrays may have, with their sizes (looked up: ~1,000 arrays a step).
+_ITEMSIZE = {d: np.dtype(d).itemsize for d in TOKEN_DTYPES | FLOAT_DTYPES}
+
+
 def _declared(ref: ev.ArrayRef, what: str, bucket: str | None) -> tuple[str, tuple[int, ...]]:
     """The dtype and shape a reference declares (what get_array will return)."""
     if isinstance(ref, ev.PayloadRef) and (ref.dtype is None or ref.shape is None):
         raise _Refused("bad_arrays", f"{what}: a blob reference without dtype/shape")
     dtype, shape = ref.dtype, ref.shape
     assert dtype is not None and shape is not None
-    if dtype not in TOKEN_DTYPES | FLOAT_DTYPES or any(s < 0 for s in shape):
+    itemsize = _ITEMSIZE.get(dtype)
+    if itemsize is None or min(shape, default=0) < 0:
         raise _Refused("bad_arrays", f"{what}: {dtype}{list(shape)} cannot be read")
-    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    nbytes = math.prod(shape) * itemsize
     if isinstance(ref, ev.InlineArray) and len(ref.data) != nbytes:
         raise _Refused(
             "bad_arrays", f"{what}: {dtype}{list(shape)} needs {nbytes} bytes, carries {len(ref.data)}"
@@ -184,7 +190,7 @@ def _shapes(prompt: ev.ArrayRef, r: ev.ScoredRollout, limits: ModelLimits, bucke
         raise _Refused("bad_arrays", f"needs >= 1 prompt and >= 1 completion token, got {p}+{c}")
     _vector(r.logprobs, "logprobs", FLOAT_DTYPES, bucket, c)
     if r.completion_mask is not None:
-        _vector(r.completion_mask, "completion_mask", frozenset({"uint8"}), bucket, c)
+        _vector(r.completion_mask, "completion_mask", MASK_DTYPES, bucket, c)
     if p + c > limits.max_seq_len:
         raise _Refused(
             "too_long", f"{p} prompt + {c} completion tokens > the model's context of {limits.max_seq_len}"

@@ -148,7 +148,7 @@ class TrainCore:
         ids: dict[str, int] = {}
         group_idx = torch.tensor([ids.setdefault(v.group_id, len(ids)) for v in views])
         rewards = torch.tensor([v.reward for v in views], dtype=torch.float32)
-        adv = group_advantages(rewards, group_idx, std_scale=self.s.std_scale_advantages)
+        adv = group_advantages(rewards, group_idx, std_scale=self.s.std_scale_advantages).tolist()
         # Arrays that lie in the log (a rollout's are its generation's) are read ahead together.
         await payloads.prefetch([a for v in views if v.rollout_id not in read for a in array_refs(v)])
         out: list[Rollout] = []
@@ -159,7 +159,7 @@ class TrainCore:
                     prompt_ids=got.prompt,
                     completion_ids=got.completion,
                     inference_logprobs=torch.from_numpy(got.logprobs.copy()),
-                    advantage=float(adv[i]),
+                    advantage=adv[i],
                     routing=None if got.trace is None else torch.from_numpy(got.trace.astype("int64")),
                     completion_mask=None if got.mask is None else got.mask.astype(bool),
                 )
