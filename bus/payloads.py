@@ -103,7 +103,7 @@ def array_from_bytes(dtype: str, shape: tuple[int, ...], data: bytes | memoryvie
         raise PayloadError(f"unknown array dtype {dtype!r}")
     if dtype == "bfloat16":
         raise PayloadError("bfloat16 arrays are read with torch (policy/), not numpy")
-    dt = _LITTLE_ENDIAN.get(dtype) or np.dtype(dtype).newbyteorder("<")
+    dt = _LITTLE_ENDIAN[dtype]
     expected = math.prod(shape) * dt.itemsize  # Python ints: never overflows, and cheap
     if len(data) != expected:
         raise PayloadIntegrityError(f"array of {dtype}{list(shape)} needs {expected} bytes, got {len(data)}")
@@ -569,12 +569,12 @@ class LogArrays:
     async def get_array(self, ref: ev.LogArray, *, of_event: str | None = None) -> np.ndarray:
         """The array ``ref`` names; ``of_event``: the event id it must lie in (a rollout's
         arrays are its own generation's, never another tenant's)."""
-        event = self._events.get(ref.seq) or await self.event(ref.seq)
-        return self.array_in(event, ref, of_event=of_event)
+        return self.array_in(await self.event(ref.seq), ref, of_event=of_event)
 
-    def cached(self, seq: int) -> ev.Event | None:
-        """The event at ``seq`` if it has been read and is still kept."""
-        return self._events.get(seq)
+    def cached_array(self, ref: ev.LogArray, *, of_event: str | None = None) -> np.ndarray | None:
+        """:meth:`get_array` without a wait: None while the event is not read (or no longer kept)."""
+        event = self._events.get(ref.seq)
+        return None if event is None else self.array_in(event, ref, of_event=of_event)
 
     def array_in(self, event: ev.Event, ref: ev.LogArray, *, of_event: str | None = None) -> np.ndarray:
         """The array ``ref`` names in ``event``, the event at ``ref.seq``."""
@@ -803,10 +803,12 @@ class Payloads:
         log, out = self.log, []
         for ref, of_event in refs:
             # Read in place where nothing is left to wait for (a step reads ~1,000 arrays).
-            if isinstance(ref, ev.LogArray) and log is not None and (event := log.cached(ref.seq)):
-                out.append(log.array_in(event, ref, of_event=of_event))
-            else:
-                out.append(await self.get_array(ref, of_event=of_event))
+            got = (
+                log.cached_array(ref, of_event=of_event)
+                if isinstance(ref, ev.LogArray) and log is not None
+                else None
+            )
+            out.append(got if got is not None else await self.get_array(ref, of_event=of_event))
         return out
 
     async def get_array(self, ref: ev.ArrayRef, *, of_event: str | None = None) -> np.ndarray:

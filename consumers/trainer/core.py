@@ -83,26 +83,14 @@ class TrainCore:
 
     async def read_arrays(self, v: ScoredView, payloads: Payloads) -> RolloutArrays:
         """One rollout's arrays as the step uses them (a trace only when it is replayed)."""
-        # Arrays in the log must lie in this rollout's own generation (its prompt in its own
-        # task): a tenant's rollout may not train on another's tokens by pointing at them.
-        own, r = v.body.generation_event_id, v.rollout
-        trace = None
-        if r.routing_trace is not None and self.s.replay:
-            trace = await payloads.get_array(r.routing_trace, of_event=own)
-        mask = (
-            None if r.completion_mask is None else await payloads.get_array(r.completion_mask, of_event=own)
-        )
-        return RolloutArrays(
-            prompt=await payloads.get_array(v.body.prompt_tokens, of_event=v.prompt_owner),
-            completion=await payloads.get_array(r.completion_tokens, of_event=own),
-            logprobs=await payloads.get_array(r.logprobs, of_event=own),
-            mask=mask,
-            trace=trace,
-        )
+        (got,) = await self.read_many([v], payloads)
+        return got
 
     async def read_many(self, views: Sequence[ScoredView], payloads: Payloads) -> list[RolloutArrays]:
-        """:meth:`read_arrays` of several rollouts (a group's), each distinct array read once:
-        a group's members share one prompt."""
+        """The arrays of several rollouts (a group's, a step's), each distinct array read once:
+        a group's members share one prompt. Arrays in the log must lie in the rollout's own
+        generation (its prompt in its own task): a tenant's rollout may not train on another's
+        tokens by pointing at them."""
         wanted: dict[tuple[ev.ArrayRef, str], int] = {}  # (array, the event it lies in) -> index
 
         def at(ref: ev.ArrayRef, owner: str) -> int:
@@ -149,19 +137,21 @@ class TrainCore:
         group_idx = torch.tensor([ids.setdefault(v.group_id, len(ids)) for v in views])
         rewards = torch.tensor([v.reward for v in views], dtype=torch.float32)
         adv = group_advantages(rewards, group_idx, std_scale=self.s.std_scale_advantages).tolist()
-        # Arrays that lie in the log (a rollout's are its generation's) are read ahead together.
-        await payloads.prefetch([a for v in views if v.rollout_id not in read for a in array_refs(v)])
+        unread = [v for v in views if v.rollout_id not in read]
+        if unread:
+            fresh = await self.read_many(unread, payloads)
+            read = {**read, **dict(zip([v.rollout_id for v in unread], fresh, strict=True))}
         out: list[Rollout] = []
         for i, v in enumerate(views):
-            got = read.get(v.rollout_id) or await self.read_arrays(v, payloads)
+            arrays = read[v.rollout_id]
             out.append(
                 Rollout(
-                    prompt_ids=got.prompt,
-                    completion_ids=got.completion,
-                    inference_logprobs=torch.from_numpy(got.logprobs.copy()),
+                    prompt_ids=arrays.prompt,
+                    completion_ids=arrays.completion,
+                    inference_logprobs=torch.from_numpy(arrays.logprobs.copy()),
                     advantage=adv[i],
-                    routing=None if got.trace is None else torch.from_numpy(got.trace.astype("int64")),
-                    completion_mask=None if got.mask is None else got.mask.astype(bool),
+                    routing=None if arrays.trace is None else torch.from_numpy(arrays.trace.astype("int64")),
+                    completion_mask=None if arrays.mask is None else arrays.mask.astype(bool),
                 )
             )
         return out
