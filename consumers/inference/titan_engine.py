@@ -13,12 +13,13 @@ import numpy as np
 import torch
 
 from jetrl.bus import events as ev
+from jetrl.bus.log import get_logger
 from jetrl.bus.payloads import Payloads, ReceiveBuffer
 from jetrl.consumers.inference.engine import GroupRequest, Limits, Sample
 from jetrl.consumers.inference.settings import InferencePart
 from jetrl.policy.models import build_model
 from jetrl.policy.origin import model_config_of
-from jetrl.policy.sampling import SamplingConfig, generate, inference_copy
+from jetrl.policy.sampling import SamplingConfig, generate, inference_copy, resolve_precision
 from jetrl.policy.weights import load_into, verified_tensors, weights_from_bytes
 
 
@@ -31,7 +32,9 @@ class TitanEngine:
         mcfg = self.mcfg = model_config_of(part.model)
         self.limits: Limits | None = Limits(mcfg.vocab_size, mcfg.max_seq_len)
         # Weights come from WeightsReady events; the seed here only shapes the module.
-        self.model = inference_copy(build_model(mcfg, seed=0), s.precision)
+        self.precision = resolve_precision(s.precision, torch.device("cpu"))  # where it runs
+        get_logger("inference").info("inference_precision", setting=s.precision, resolved=self.precision)
+        self.model = inference_copy(build_model(mcfg, seed=0), self.precision)
         # Each worker samples its own stream, reproducible from the run seed and its id.
         seed = (part.seed * 1_000_003 + (uuid.uuid5(uuid.NAMESPACE_URL, worker_id).int % 1_000_003)) % 2**63
         self.generator = torch.Generator().manual_seed(seed)

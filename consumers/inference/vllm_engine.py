@@ -53,7 +53,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 import numpy as np
@@ -122,6 +122,13 @@ class VLLMChecks(EngineChecks):
 CHECKS = VLLMChecks()
 
 
+def vllm_precision(s: InferenceSettings) -> Literal["bf16", "fp32"]:
+    """The settings' precision for the server's device (``auto``: bf16 where it is native)."""
+    from jetrl.policy.sampling import resolve_precision  # torch: here only, as below
+
+    return resolve_precision(s.precision)
+
+
 def server_command(part: InferencePart, port: int, seed: int, *, capture: bool = False) -> list[str]:
     s, v = part.inference, part.inference.vllm
     assert part.model.hf_path
@@ -136,7 +143,7 @@ def server_command(part: InferencePart, port: int, seed: int, *, capture: bool =
         "--port",
         str(port),
         "--dtype",
-        DTYPES[s.precision],
+        DTYPES[vllm_precision(s)],
         "--seed",
         str(seed),
         "--gpu-memory-utilization",

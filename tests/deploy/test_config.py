@@ -23,7 +23,7 @@ def test_demo_config_loads_and_derives_settings(tmp_path: Path) -> None:
     (p,) = cfg.producer_parts()
     assert p.groups_per_step == cfg.trainer.batch_groups
     assert p.max_off_policy_steps == cfg.trainer.max_off_policy_steps
-    assert cfg.inference_part(tmp_path).inference.precision == "bf16"
+    assert cfg.inference_part(tmp_path).inference.precision == "auto"
 
 
 CONFIGS = sorted((ROOT / "configs").glob("*.toml"))

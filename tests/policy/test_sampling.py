@@ -5,7 +5,14 @@ import torch
 
 from jetrl.policy.models import build_model
 from jetrl.policy.routing import trace_length
-from jetrl.policy.sampling import SamplingConfig, generate, inference_copy, sample_tokens, sampling_logprobs
+from jetrl.policy.sampling import (
+    SamplingConfig,
+    generate,
+    inference_copy,
+    resolve_precision,
+    sample_tokens,
+    sampling_logprobs,
+)
 from jetrl.policy.train import Rollout, collate, compute_logprobs
 
 
@@ -117,6 +124,22 @@ def test_bf16_inference_path(trained_model, tok, cfg):
     assert torch.isfinite(diff).all() and diff.max() < 0.1  # close, but bf16 is not fp32
     with pytest.raises(ValueError, match="precision"):
         inference_copy(trained_model, "fp8")  # type: ignore[arg-type]  # a precision it does not have
+
+
+def test_auto_precision_follows_the_cpus_bf16_instructions(trained_model, monkeypatch):
+    # The probes are torch's reading of the CPU's flags; each branch is taken here by setting
+    # what they report, on this machine whatever it has.
+    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        monkeypatch.setattr(torch.cpu, probe, lambda: False, raising=False)
+    assert resolve_precision("auto", torch.device("cpu")) == "fp32"
+    assert next(inference_copy(trained_model, "auto").parameters()).dtype == torch.float32
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert resolve_precision("auto", torch.device("cpu")) == "bf16"
+    assert next(inference_copy(trained_model, "auto").parameters()).dtype == torch.bfloat16
+    # A precision named is kept whatever the machine has.
+    assert resolve_precision("fp32", torch.device("cpu")) == "fp32"
+    with pytest.raises(ValueError, match="auto"):
+        resolve_precision("fp8")  # type: ignore[arg-type]  # a precision it does not have
 
 
 def test_prompt_validation(model):
