@@ -64,6 +64,7 @@ from jetrl.consumers.trainer.replay import Replayer, ReplayError, read_rollouts,
 from jetrl.consumers.trainer.settings import TrainerPart
 from jetrl.consumers.trainer.withholding import ScoredDelivery, rollout_consumer_spec, withheld_event
 from jetrl.policy.origin import model_config_of
+from jetrl.policy.weights import ExportedWeights
 
 # WeightsReady.format of each [trainer] weights_layout (docs/events.md).
 WEIGHTS_FORMATS = {"jetrl": "safetensors", "hf": "safetensors-hf"}
@@ -166,18 +167,22 @@ class Trainer:
 
     # ---------------------------------------------------------------- publishing
 
-    async def announce_version(self, *, again: bool = False) -> int:
-        """Make the current weights readable, then say so: PolicyVersionPublished and
-        WeightsReady. Both event ids derive from the version, so a repeat is stored once;
-        ``again``: a WeightsReady of its own for weights a restarted trainer holds anew."""
+    async def export_weights(self) -> ExportedWeights:
+        """The current weights, serialised. CPU work, off the event loop like training: one
+        pass copies each tensor into the buffer the store sends from, hashing it into the
+        checksum and the transfer digest on the way (policy/weights.py)."""
+        meta = {"version": str(self.version), "run": self.run_id}
+        return await asyncio.to_thread(self.core.engine.export_weights, meta)
+
+    async def announce_version(self, exported: ExportedWeights | None = None, *, again: bool = False) -> int:
+        """Make the current weights readable (``exported``, or exported here), then say so:
+        PolicyVersionPublished and WeightsReady. Both event ids derive from the version, so a
+        repeat is stored once; ``again``: a WeightsReady of its own for weights a restarted
+        trainer holds anew."""
         assert self.weights_store is not None
         v = self.version
-        # Serialising and hashing every weight is CPU work: off the event loop, like training.
-        # One pass: each tensor copied into the buffer the store sends from, hashed into the
-        # checksum and the transfer digest on the way (policy/weights.py).
-        exported = await asyncio.to_thread(
-            self.core.engine.export_weights, {"version": str(v), "run": self.run_id}
-        )
+        if exported is None:
+            exported = await self.export_weights()
         digest = exported.checksum
         # Version 0 is where a recovery without a checkpoint starts: where it outlives the trainer.
         store = self.weights_store
@@ -227,9 +232,7 @@ class Trainer:
             return
         except PayloadError as exc:
             self.log.warning("announced_weights_unreadable", version=self.version, error=str(exc))
-        exported = await asyncio.to_thread(
-            self.core.engine.export_weights, {"version": str(self.version), "run": self.run_id}
-        )
+        exported = await self.export_weights()
         if ready.blake3 is None or exported.blake3 != ready.blake3:
             await self.announce_version(again=True)
             return
@@ -249,25 +252,35 @@ class Trainer:
         token_stats: ev.ArrayRef | None = None,
     ) -> int:
         """StepCompleted first: with the logged rollouts it determines the new weights, so a
-        crash before they are announced is repaired by replay. Returns its stream sequence."""
-        ack = await self.bus.publish(
-            ev.new_event(
-                ev.StepCompleted(
-                    step=step,
-                    policy_version=self.version,
-                    rollout_ids=rollout_ids,
-                    rollout_seqs=rollout_seqs,
-                    metrics=metrics,
-                    tokens=tokens,
-                    duration_s=duration_s,
-                    token_stats=token_stats,
-                    final=self.done(),
-                ),
-                run_id=self.run_id,
-                event_id=ids.step_event_id(self.run_id, step),
+        crash before they are announced is repaired by replay. The weights are exported while
+        it is on its way (its round trip hidden behind the export's CPU work); they are put and
+        announced once it is stored. Returns its stream sequence."""
+        publishing = asyncio.ensure_future(
+            self.bus.publish(
+                ev.new_event(
+                    ev.StepCompleted(
+                        step=step,
+                        policy_version=self.version,
+                        rollout_ids=rollout_ids,
+                        rollout_seqs=rollout_seqs,
+                        metrics=metrics,
+                        tokens=tokens,
+                        duration_s=duration_s,
+                        token_stats=token_stats,
+                        final=self.done(),
+                    ),
+                    run_id=self.run_id,
+                    event_id=ids.step_event_id(self.run_id, step),
+                )
             )
         )
-        await self.announce_version()
+        try:
+            exported = await self.export_weights()
+        except BaseException:
+            publishing.cancel()
+            raise
+        ack = await publishing
+        await self.announce_version(exported)
         return int(ack.seq)
 
     async def withhold(self, group: Group, reason: ev.WithheldReason, detail: str) -> None:
