@@ -25,6 +25,7 @@ from pathlib import Path
 from jetrl.bus.log import configure
 from jetrl.bus.server import EmbeddedServer
 from jetrl.deploy.config import load_config
+from jetrl.deploy.cores import run_split
 from jetrl.deploy.supervisor import Supervisor
 
 # Steady state: the first steps (process start-up, first weights) are not timed.
@@ -151,7 +152,10 @@ def main() -> None:
     configure(level="warning")
     modes = [int(m) for m in args.modes.split(",")]
     results: dict[int, ModeFigures] = {}
-    with tempfile.TemporaryDirectory() as tmp, EmbeddedServer(Path(tmp) / "nats") as srv:
+    # The server runs where `jetrl run` would run its own: off the trainer's cores (deploy/cores.py).
+    split = run_split(load_config(None, []))
+    server_cpus = split.rest if split is not None else None
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedServer(Path(tmp) / "nats", cpus=server_cpus) as srv:
         for k in modes:
             model = [
                 "--model.name",

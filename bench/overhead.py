@@ -36,6 +36,7 @@ from jetrl.bus.server import EmbeddedServer
 from jetrl.consumers.trainer.engine import make_train_engine
 from jetrl.consumers.trainer.local_engine import LocalTrainEngine
 from jetrl.deploy.config import RunConfig, load_config
+from jetrl.deploy.cores import run_split
 from jetrl.deploy.launcher import fork_server
 from jetrl.deploy.supervisor import Supervisor
 from jetrl.policy.loss import group_advantages
@@ -153,7 +154,10 @@ def main() -> None:
     args = ap.parse_args()
     configure("warning")
     rows: list[tuple[int, float | None, int, float | None, int]] = []
-    with tempfile.TemporaryDirectory() as tmp, EmbeddedServer(Path(tmp) / "nats") as srv:
+    # The server runs where `jetrl run` would run its own: off the trainer's cores (deploy/cores.py).
+    split = run_split(load_config(ROOT / "configs" / "demo.toml"))
+    server_cpus = split.rest if split is not None else None
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedServer(Path(tmp) / "nats", cpus=server_cpus) as srv:
         for seed in args.seeds:
             over = ["--run.seed", str(seed), "--trainer.max_steps", str(args.max_steps)]
             cfg = load_config(ROOT / "configs" / "demo.toml", [*over, "--store.recorder", "false"])

@@ -91,10 +91,12 @@ class EmbeddedServer:
         binary: str | None = None,
         auth_conf: str | Path | None = None,
         pid_dir: str | Path | None = None,
+        cpus: frozenset[int] | None = None,
     ) -> None:
         """``auth_conf``: a file with the server's ``authorization`` block (deploy/tenants.py
         writes it), included so that a reload picks up its changes; ``pid_dir``: where the
-        server registers its pid file, so that whoever changes that file can reload it."""
+        server registers its pid file, so that whoever changes that file can reload it;
+        ``cpus``: the cores it may run on (None: any), as it starts and when it restarts."""
         self.store_dir = Path(store_dir)
         self.host = host
         self.port = port or free_port()
@@ -103,6 +105,7 @@ class EmbeddedServer:
         self.binary = binary or find_binary()
         self.auth_conf = Path(auth_conf).resolve() if auth_conf else None
         self.pid_dir = Path(pid_dir) if pid_dir else None
+        self.cpus = cpus
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = self.store_dir / "nats-server.log"
 
@@ -140,6 +143,7 @@ class EmbeddedServer:
             stdout=logf,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=None if self.cpus is None else self._confine,
         )
         logf.close()
         deadline = time.monotonic() + timeout
@@ -154,6 +158,11 @@ class EmbeddedServer:
             time.sleep(0.05)
         self.stop()
         raise ServerError(f"nats-server not ready after {timeout}s:\n{self.tail_log()}")
+
+    def _confine(self) -> None:
+        """In the child before it execs: one system call, safe there."""
+        assert self.cpus is not None
+        os.sched_setaffinity(0, self.cpus)
 
     def _ready(self) -> bool:
         # JetStream is up once the server logs it; the port alone can answer before that.

@@ -25,7 +25,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Protocol
 
@@ -128,13 +128,36 @@ def _module_of(argv: list[str]) -> tuple[str, list[str]] | None:
     return None
 
 
+def _placed(nice: int, cpus: frozenset[int] | None) -> Callable[[], None] | None:
+    """What a fresh part's child does before it execs (two system calls: safe there)."""
+    if not nice and cpus is None:
+        return None
+
+    def place() -> None:
+        if nice:
+            os.nice(nice)
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+
+    return place
+
+
 def _run_forked(
-    module: str, args: list[str], env: dict[str, str], log_path: str, cwd: str, nice: int = 0
+    module: str,
+    args: list[str],
+    env: dict[str, str],
+    log_path: str,
+    cwd: str,
+    nice: int = 0,
+    cpus: frozenset[int] | None = None,
 ) -> None:
-    """The part's life in the forked child: its own session, log, environment, threads and
-    priority, then its module as ``python -m`` runs it (its SystemExit is the exit code)."""
+    """The part's life in the forked child: its own session, log, environment, threads, cores
+    and priority, then its module as ``python -m`` runs it (its SystemExit is the exit code)."""
+    # First: every thread the part starts inherits them.
     if nice:
-        os.nice(nice)  # first: every thread the part starts inherits it
+        os.nice(nice)
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
     # ps and /proc show the command a fresh process would have had, not the fork server's.
     setproctitle.setproctitle(" ".join([sys.executable, "-m", module, *args]))
     os.setsid()  # killed as a group, like a part started with start_new_session
@@ -163,10 +186,17 @@ def _run_forked(
 
 
 def start_part(
-    argv: list[str], env: Mapping[str, str], log_path: Path, *, fork: bool = True, nice: int = 0
+    argv: list[str],
+    env: Mapping[str, str],
+    log_path: Path,
+    *,
+    fork: bool = True,
+    nice: int = 0,
+    cpus: frozenset[int] | None = None,
 ) -> PartProcess:
     """Start one part, its output appended to ``log_path``: forked when it is a ``python -m``
-    command and ``fork`` holds, else a fresh process; ``nice`` is added to its niceness."""
+    command and ``fork`` holds, else a fresh process; ``nice`` is added to its niceness and
+    ``cpus`` (None: any) are the cores it may run on (deploy/cores.py)."""
     target = _module_of(argv) if fork else None
     if target is None:
         with log_path.open("ab") as out:
@@ -176,12 +206,12 @@ def start_part(
                 stderr=subprocess.STDOUT,
                 env=dict(env),
                 start_new_session=True,
-                preexec_fn=(lambda: os.nice(nice)) if nice else None,  # only os.nice: safe in the child
+                preexec_fn=_placed(nice, cpus),
             )
     module, args = target
     proc = fork_server().Process(
         target=_run_forked,
-        args=(module, args, dict(env), str(log_path), os.getcwd(), nice),
+        args=(module, args, dict(env), str(log_path), os.getcwd(), nice, cpus),
         name=module,
         daemon=False,
     )

@@ -32,6 +32,7 @@ from jetrl.bus.server import EmbeddedServer
 from jetrl.bus.streams import ensure_tenant_view, run_usage, stream_name
 from jetrl.consumers.trainer.withholding import close_out
 from jetrl.deploy.config import RunConfig, library_versions
+from jetrl.deploy.cores import CoreSplit, run_split
 from jetrl.deploy.launcher import PartProcess, start_part, warm_up
 from jetrl.deploy.parts import KINDS, PartCommand, PartCommands
 from jetrl.deploy.report import RunReport
@@ -56,6 +57,7 @@ class Part:
     name: str
     argv: list[str]
     threads: int = 1
+    cpus: frozenset[int] | None = None  # the cores it may run on (None: any; deploy/cores.py)
     follows: bool = False  # only reads the log: stopped last, once caught up
     proc: PartProcess | None = None
     restarts: int = 0
@@ -114,8 +116,17 @@ class Supervisor:
         reg = TenantRegistry(tenants_dir) if tenants_dir is not None else None
         self.registry = reg if reg is not None and reg.has_tenants() else None
         self.registry_mtime = 0.0
+        self.cores = self.core_split()
 
     # ------------------------------------------------------------------ processes
+
+    def core_split(self) -> CoreSplit | None:
+        """The trainer's cores and the others' (deploy/cores.py), where this machine runs the
+        trainer as a process of its own; None leaves every process to the kernel."""
+        split = run_split(self.cfg) if "trainer" in self.local else None
+        if split is not None:
+            self.log.info("cores_split", trainer=sorted(split.trainer), others=sorted(split.rest))
+        return split
 
     def creds(self, identity: str) -> str | None:
         """The credentials file a part connects with (none on a server without authentication)."""
@@ -147,7 +158,18 @@ class Supervisor:
         if "monitor" in self.local and self.cfg.monitor.wanted:
             chosen.append(cmds.monitor(self.creds("monitor")))
         chosen = cmds.hosted(chosen, list(self.cfg.run.host_together))
-        return [Part(c.name, c.argv, threads=c.threads, follows=c.follows) for c in chosen]
+        split = self.cores
+        return [
+            Part(
+                c.name,
+                c.argv,
+                threads=c.threads,
+                follows=c.follows,
+                # The trainer may run anywhere: the others are kept off its cores.
+                cpus=None if split is None or c.kind == "trainer" else split.rest,
+            )
+            for c in chosen
+        ]
 
     def start(self, part: Part) -> None:
         logs = self.run_dir / "logs"
@@ -162,6 +184,7 @@ class Supervisor:
             logs / f"{part.name}.log",
             fork=self.cfg.run.fork_parts,
             nice=self.cfg.run.follower_nice if part.follows else 0,
+            cpus=part.cpus,
         )
         self.log.info("part_started", part=part.name, pid=part.proc.pid, restarts=part.restarts)
 
@@ -345,6 +368,7 @@ class Supervisor:
                 self.run_dir / "nats",
                 auth_conf=reg.auth_conf if reg else None,
                 pid_dir=reg.servers_dir if reg else None,
+                cpus=None if self.cores is None else self.cores.rest,
             ).start()
             url = self.server.url
         (self.run_dir / "nats_url").write_text(url)  # for `jetrl gateway` and other clients

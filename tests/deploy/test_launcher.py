@@ -40,6 +40,15 @@ def test_a_part_reports_what_it_was_started_with(fork: bool, tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("fork", [True, False])
+def test_a_part_given_cores_runs_on_those_only(fork: bool, tmp_path: Path) -> None:
+    log = tmp_path / "part.log"
+    one = frozenset([max(os.sched_getaffinity(0))])  # one of the cores this test may use
+    proc = start_part([*CHILD, "report", "0"], dict(os.environ), log, fork=fork, cpus=one)
+    assert wait_for(proc) == 0
+    assert json.loads(log.read_text().splitlines()[0])["cpus"] == sorted(one)
+
+
+@pytest.mark.parametrize("fork", [True, False])
 def test_a_part_started_nicer_runs_at_that_priority(fork: bool, tmp_path: Path) -> None:
     log = tmp_path / "part.log"
     proc = start_part([*CHILD, "report", "0"], dict(os.environ), log, fork=fork, nice=7)

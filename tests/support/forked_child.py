@@ -27,6 +27,7 @@ def main(argv: list[str]) -> int:
                     "main": __name__,
                     "cmdline": Path("/proc/self/cmdline").read_bytes().replace(b"\0", b" ").decode().strip(),
                     "nice": os.getpriority(os.PRIO_PROCESS, 0),
+                    "cpus": sorted(os.sched_getaffinity(0)),
                 }
             ),
             flush=True,
