@@ -49,9 +49,9 @@ class RunSettings(Section):
     # off the training's path, they yield the cores to it when the machine is short of them
     # (docs/running.md "Where a step's time goes"). 0 keeps them level with the others.
     follower_nice: int = Field(10, ge=0, le=19)
-    # Every other part this machine starts, and its nats-server, kept off as many cores as the
-    # trainer has ranks x threads, where some are left for them (deploy/cores.py): the trainer
-    # sets the pace, and the others taking turns on its core slowed its every step.
+    # The inference workers and producers this machine starts, and its nats-server, kept off as
+    # many cores as the trainer has ranks x threads, where some are left for them
+    # (deploy/cores.py): the trainer sets the pace, and they took turns on its core.
     trainer_own_cores: bool = True
 
 

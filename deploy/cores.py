@@ -1,16 +1,19 @@
-"""Cores of its own for the trainer: the other parts a machine runs are kept off them.
+"""Cores of its own for the trainer: the parts on the training's path are kept off them.
 
 The trainer sets a run's pace (docs/running.md, "Where a step's time goes"): every step waits
 for its train call, while inference and the environments have the window of
 ``max_off_policy_steps`` to be ready. Left to the kernel's scheduler, the other parts and the
-nats-server take turns on the trainer's core too, and its train call pays for each: on two
-cores (an AMD EPYC) the demo's step took 72.5-76.6 ms in nine of ten runs with the others kept
-on one core (83.0 in the tenth), 76.9-87.5 ms with every process free to move, interleaved. So the supervisor keeps every other part it starts,
-and the nats-server it starts, off ``threads x ranks`` of the cores it may use (the lowest
-numbered). The trainer itself is not pinned: alone on those cores the kernel keeps it there,
-and two runs on one machine do not have their trainers share one core (pinning it as well
-measured the same). Where the others would have no core left, nothing is confined; ``[run]
-trainer_own_cores = false`` leaves it all to the kernel.
+nats-server take turns on the trainer's core too, and its train call pays for each. So the
+supervisor keeps the inference workers and producers it starts, and the nats-server it starts,
+off ``threads x ranks`` of the cores it may use (the lowest numbered). The trainer itself is
+not pinned: alone on those cores the kernel keeps it there, and two runs on one machine do not
+have their trainers share one core (pinning it as well measured the same). Nor are the parts
+that only read the log (recorder, monitor): they run at a lower priority and yield the
+trainer's cores to it, while kept on one core with the others they made the chain to the
+trainer the bottleneck (`make run`, the recorder on: 39.5 s, the trainer idle 37%). Where the
+others would have no core left, nothing is confined; ``[run] trainer_own_cores = false``
+leaves it all to the kernel. Measured on two cores (an AMD EPYC), interleaved, in
+docs/running.md.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class CoreSplit:
     trainer: frozenset[int]  # kept for the trainer's ranks and their threads
-    rest: frozenset[int]  # where every other part, and the run's own nats-server, run
+    rest: frozenset[int]  # where inference, the producers and the run's own nats-server run
 
 
 def split_cores(available: Iterable[int], trainer_cores: int) -> CoreSplit | None:

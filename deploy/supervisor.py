@@ -165,8 +165,9 @@ class Supervisor:
                 c.argv,
                 threads=c.threads,
                 follows=c.follows,
-                # The trainer may run anywhere: the others are kept off its cores.
-                cpus=None if split is None or c.kind == "trainer" else split.rest,
+                # The trainer may run anywhere, and so may the parts that only read the log
+                # (at a lower priority, they yield its cores to it): the others keep off them.
+                cpus=None if split is None or c.kind == "trainer" or c.follows else split.rest,
             )
             for c in chosen
         ]

@@ -1,5 +1,5 @@
-"""deploy/cores.py: the trainer's cores and the others', and a run's other parts and its
-nats-server kept off the trainer's."""
+"""deploy/cores.py: the trainer's cores and the others', and a run's inference worker,
+producer and nats-server kept off the trainer's."""
 
 from __future__ import annotations
 
@@ -44,8 +44,10 @@ def test_the_supervisor_keeps_the_other_parts_off_the_trainers_cores(tmp_path: P
     split = split_cores(CORES, 1)
     assert split is not None and sup.cores == split
     parts = {p.name: p.cpus for p in sup.plan("nats://127.0.0.1:1")}
-    assert parts.pop("trainer") is None  # free to run anywhere; the others keep off its core
-    assert parts and set(parts.values()) == {split.rest}  # producer, worker, recorder, monitor
+    # The trainer and the parts that only read the log run anywhere; the others keep off its core.
+    assert parts.pop("trainer") is None
+    assert parts.pop("recorder") is None and parts.pop("monitor") is None
+    assert parts and set(parts.values()) == {split.rest}  # the producer and the worker
     # A nats-server given the others' cores (as the supervisor starts its own) runs on them.
     with EmbeddedServer(tmp_path / "nats", cpus=split.rest) as srv:
         assert srv.proc is not None
