@@ -25,7 +25,7 @@ from pathlib import Path
 from jetrl.bus.log import configure
 from jetrl.bus.server import EmbeddedServer
 from jetrl.deploy.config import load_config
-from jetrl.deploy.cores import run_split
+from jetrl.deploy.cores import others_cores
 from jetrl.deploy.supervisor import Supervisor
 
 # Steady state: the first steps (process start-up, first weights) are not timed.
@@ -153,8 +153,7 @@ def main() -> None:
     modes = [int(m) for m in args.modes.split(",")]
     results: dict[int, ModeFigures] = {}
     # The server runs where `jetrl run` would run its own: off the trainer's cores (deploy/cores.py).
-    split = run_split(load_config(None, []))
-    server_cpus = split.rest if split is not None else None
+    server_cpus = others_cores(load_config(None, []))
     with tempfile.TemporaryDirectory() as tmp, EmbeddedServer(Path(tmp) / "nats", cpus=server_cpus) as srv:
         for k in modes:
             model = [

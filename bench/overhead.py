@@ -36,7 +36,7 @@ from jetrl.bus.server import EmbeddedServer
 from jetrl.consumers.trainer.engine import make_train_engine
 from jetrl.consumers.trainer.local_engine import LocalTrainEngine
 from jetrl.deploy.config import RunConfig, load_config
-from jetrl.deploy.cores import run_split
+from jetrl.deploy.cores import others_cores
 from jetrl.deploy.launcher import fork_server
 from jetrl.deploy.supervisor import Supervisor
 from jetrl.policy.loss import group_advantages
@@ -155,8 +155,7 @@ def main() -> None:
     configure("warning")
     rows: list[tuple[int, float | None, int, float | None, int]] = []
     # The server runs where `jetrl run` would run its own: off the trainer's cores (deploy/cores.py).
-    split = run_split(load_config(ROOT / "configs" / "demo.toml"))
-    server_cpus = split.rest if split is not None else None
+    server_cpus = others_cores(load_config(ROOT / "configs" / "demo.toml"))
     with tempfile.TemporaryDirectory() as tmp, EmbeddedServer(Path(tmp) / "nats", cpus=server_cpus) as srv:
         for seed in args.seeds:
             over = ["--run.seed", str(seed), "--trainer.max_steps", str(args.max_steps)]

@@ -47,6 +47,12 @@ def usable_cores() -> frozenset[int]:
     return frozenset(os.sched_getaffinity(0))
 
 
+def others_cores(cfg: RunConfig) -> frozenset[int] | None:
+    """Where a nats-server started for such a run goes (None: anywhere)."""
+    split = run_split(cfg)
+    return None if split is None else split.rest
+
+
 def run_split(cfg: RunConfig) -> CoreSplit | None:
     """The split for a run whose trainer is a process of its own on this machine (None: off,
     or the trainer hosted with other parts, or too few cores)."""

@@ -153,11 +153,8 @@ def _run_forked(
 ) -> None:
     """The part's life in the forked child: its own session, log, environment, threads, cores
     and priority, then its module as ``python -m`` runs it (its SystemExit is the exit code)."""
-    # First: every thread the part starts inherits them.
-    if nice:
-        os.nice(nice)
-    if cpus is not None:
-        os.sched_setaffinity(0, cpus)
+    if (place := _placed(nice, cpus)) is not None:
+        place()  # first: every thread the part starts inherits its priority and cores
     # ps and /proc show the command a fresh process would have had, not the fork server's.
     setproctitle.setproctitle(" ".join([sys.executable, "-m", module, *args]))
     os.setsid()  # killed as a group, like a part started with start_new_session

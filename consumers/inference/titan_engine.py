@@ -32,9 +32,9 @@ class TitanEngine:
         mcfg = self.mcfg = model_config_of(part.model)
         self.limits: Limits | None = Limits(mcfg.vocab_size, mcfg.max_seq_len)
         # Weights come from WeightsReady events; the seed here only shapes the module.
-        self.precision = resolve_precision(s.precision, torch.device("cpu"))  # where it runs
-        get_logger("inference").info("inference_precision", setting=s.precision, resolved=self.precision)
-        self.model = inference_copy(build_model(mcfg, seed=0), self.precision)
+        precision = resolve_precision(s.precision, torch.device("cpu"))  # where it runs
+        get_logger("inference").info("inference_precision", setting=s.precision, resolved=precision)
+        self.model = inference_copy(build_model(mcfg, seed=0), precision)
         # Each worker samples its own stream, reproducible from the run seed and its id.
         seed = (part.seed * 1_000_003 + (uuid.uuid5(uuid.NAMESPACE_URL, worker_id).int % 1_000_003)) % 2**63
         self.generator = torch.Generator().manual_seed(seed)
