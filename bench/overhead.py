@@ -10,9 +10,9 @@ reward target (a 10-step mean of 0.92) and are timed from start to the step that
   ``max_off_policy_steps``.
 
 Asynchrony must pay for the bus: the target is jetrl <= 1.0x of the one-process loop, the
-floor 1.5x.
+floor 1.5x. Extra config overrides (both sides) may be given after ``--``.
 
-    python bench/overhead.py [--seeds 0 1 2 3 4] [--max-steps 1500]
+    python bench/overhead.py [--seeds 0 1 2 3 4] [--max-steps 1500] [-- --inference.precision fp32]
 """
 
 from __future__ import annotations
@@ -151,6 +151,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     ap.add_argument("--max-steps", type=int, default=1500)
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("over", nargs="*", help="config overrides, after --")
     args = ap.parse_args()
     configure("warning")
     rows: list[tuple[int, float | None, int, float | None, int]] = []
@@ -158,7 +159,7 @@ def main() -> None:
     server_cpus = others_cores(load_config(ROOT / "configs" / "demo.toml"))
     with tempfile.TemporaryDirectory() as tmp, EmbeddedServer(Path(tmp) / "nats", cpus=server_cpus) as srv:
         for seed in args.seeds:
-            over = ["--run.seed", str(seed), "--trainer.max_steps", str(args.max_steps)]
+            over = ["--run.seed", str(seed), "--trainer.max_steps", str(args.max_steps), *args.over]
             cfg = load_config(ROOT / "configs" / "demo.toml", [*over, "--store.recorder", "false"])
             one_s, one_n = one_process(cfg, Path(tmp), args.threads)
             print(f"seed {seed}: one process    {_t(one_s)} in {one_n} steps", flush=True)
@@ -174,7 +175,10 @@ def main() -> None:
             ratios.append(ratio)
         shown = f"{ratio:.2f}x" if ratio is not None else "-"
         print(f"{seed:>4} {_t(one_s):>8} ({one_n:>4}) {_t(jet_s):>8} ({jet_n:>4}) {shown:>7}")
-    print(f"(one process: {args.threads} torch threads; jetrl run: the demo's parts on the same cores)")
+    print(
+        f"(one process: {args.threads} torch threads; jetrl run: the demo's parts on the same cores; "
+        f"overrides {args.over or 'none'})"
+    )
     print()
     if ratios:
         print(

@@ -30,9 +30,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """How `make test` spreads the suite over its pytest-xdist workers (``-n``, one more than the cores): a module
-    runs whole on one worker (its module fixtures are made once), the vLLM modules on the same
-    one, in the order collected (slow modules first)."""
+    """How `make test` spreads the suite over its pytest-xdist workers (one more than the
+    cores): a module runs whole on one worker (its module fixtures are made once), the vLLM
+    modules on the same one, in the order collected (slow modules first)."""
     from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]  # no py.typed
 
     class ByModule(LoadScopeScheduling):  # type: ignore[misc]  # xdist's classes are untyped here

@@ -39,7 +39,7 @@ class InferenceSettings(Section):
     engine: str = "titan"  # a generation engine of jetrl/plugins.py, or "package.module:attr"
     vllm: VLLMSettings = VLLMSettings()
     workers: int = Field(1, ge=1)
-    # Independent of the trainer's; auto: bf16 where the device computes it natively, else fp32.
+    # Independent of the trainer's; auto: bf16 on a GPU that has it, fp32 on a CPU.
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     max_batch_tasks: int = Field(8, ge=1)  # tasks generated together (each is a whole group)
     top_p: float = Field(1.0, gt=0, le=1)

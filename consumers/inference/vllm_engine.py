@@ -123,7 +123,7 @@ CHECKS = VLLMChecks()
 
 
 def vllm_precision(s: InferenceSettings) -> Literal["bf16", "fp32"]:
-    """The settings' precision for the server's device (``auto``: bf16 where it is native)."""
+    """The settings' precision for the server's device (``auto``: bf16 on a GPU that has it)."""
     from jetrl.policy.sampling import resolve_precision  # torch: here only, as below
 
     return resolve_precision(s.precision)

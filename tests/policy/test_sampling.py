@@ -126,18 +126,20 @@ def test_bf16_inference_path(trained_model, tok, cfg):
         inference_copy(trained_model, "fp8")  # type: ignore[arg-type]  # a precision it does not have
 
 
-def test_auto_precision_follows_the_cpus_bf16_instructions(trained_model, monkeypatch):
-    # The probes are torch's reading of the CPU's flags; each branch is taken here by setting
-    # what they report, on this machine whatever it has.
-    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
-        monkeypatch.setattr(torch.cpu, probe, lambda: False, raising=False)
+def test_auto_precision_is_fp32_on_a_cpu_and_named_ones_are_kept(trained_model, monkeypatch):
     assert resolve_precision("auto", torch.device("cpu")) == "fp32"
     assert next(inference_copy(trained_model, "auto").parameters()).dtype == torch.float32
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
-    assert resolve_precision("auto", torch.device("cpu")) == "bf16"
-    assert next(inference_copy(trained_model, "auto").parameters()).dtype == torch.bfloat16
+    # A GPU is asked whether it has bf16; none here, so its answer is set.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    assert resolve_precision("auto", torch.device("cuda")) == "bf16"
+    assert resolve_precision("auto") == "bf16"  # the GPU, where there is one
+    assert resolve_precision("auto", torch.device("cpu")) == "fp32"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    assert resolve_precision("auto", torch.device("cuda")) == "fp32"
     # A precision named is kept whatever the machine has.
     assert resolve_precision("fp32", torch.device("cpu")) == "fp32"
+    assert next(inference_copy(trained_model, "bf16").parameters()).dtype == torch.bfloat16
     with pytest.raises(ValueError, match="auto"):
         resolve_precision("fp8")  # type: ignore[arg-type]  # a precision it does not have
 
