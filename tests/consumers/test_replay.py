@@ -55,7 +55,11 @@ async def test_replay_verifies_every_step_and_names_a_divergence(
     nats_server: EmbeddedServer, tmp_path: Path
 ) -> None:
     run_id = "replay1"
-    cfg = load_config(None, ["--trainer.max_steps", "7", *OVERRIDES])
+    # An entropy bonus gives step 0 a gradient whatever its rewards: sampled in fp32, the KL
+    # term's gradient is zero, and a batch whose groups hold equal rewards would teach nothing,
+    # so that no learning rate could change its weights.
+    entropy = ["--trainer.entropy_coef", "0.02"]
+    cfg = load_config(None, ["--trainer.max_steps", "7", *entropy, *OVERRIDES])
     sup = Supervisor(cfg, run_id, tmp_path / run_id, nats_url=nats_server.url, quiet=True)
     assert await sup.run() == 0
     run_dir = tmp_path / run_id
