@@ -22,23 +22,53 @@ POSTGRES_ENV = "JETRL_TEST_POSTGRES_URL"
 VLLM_MODULES = ("test_vllm_engine.py", "test_run_vllm.py", "test_run_smollm2.py")
 
 
+# The slowest modules' seconds on a 2-core machine with 3 workers (--durations): they are handed
+# out longest first, so that none of them starts when the rest of the suite is done (in the
+# order collected, tests/system/ came last and ran alone at the end for minutes).
+MODULE_SECONDS = {
+    "test_run_vllm.py": 210,
+    "test_fuzz_consumers.py": 180,
+    "test_run_smollm2.py": 155,
+    "test_parallel_engine.py": 150,
+    "test_multihost.py": 105,
+    "test_run_parallel.py": 75,
+    "test_run_hf.py": 55,
+    "test_mooncake.py": 50,
+    "test_recorder_faults.py": 50,
+    "test_cluster_faults.py": 45,
+    "test_faults.py": 45,
+    "test_run_e2e.py": 40,
+    "test_vllm_engine.py": 35,
+}
+
+
+def _scope(module: str) -> str:
+    """The unit the scheduler below hands to a worker: a module, or all the vLLM modules."""
+    return "vllm" if module in VLLM_MODULES else module
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Modules with a slow test go first: under pytest-xdist no long module then starts when
-    the rest is done. A stable sort on a key shared by a module's items keeps them together."""
+    """Modules with a slow test go first, the longest first: under pytest-xdist no long module
+    then starts when the rest is done. A stable sort on a key shared by a scope's items keeps
+    them together."""
     slow_modules = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_modules)
+    seconds: dict[str, int] = {}
+    for path in {item.path for item in items}:
+        scope = _scope(path.name)
+        seconds[scope] = seconds.get(scope, 0) + MODULE_SECONDS.get(path.name, 0)
+    items.sort(key=lambda item: (item.path not in slow_modules, -seconds[_scope(item.path.name)]))
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """How `make test` spreads the suite over its pytest-xdist workers (one more than the
     cores): a module runs whole on one worker (its module fixtures are made once), the vLLM
-    modules on the same one, in the order collected (slow modules first)."""
+    modules on the same one, in the order of pytest_collection_modifyitems above."""
     from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]  # no py.typed
 
     class ByModule(LoadScopeScheduling):  # type: ignore[misc]  # xdist's classes are untyped here
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
-            return "vllm" if module.rsplit("/", 1)[-1] in VLLM_MODULES else module
+            return "vllm" if _scope(module.rsplit("/", 1)[-1]) == "vllm" else module
 
     config.option.loadscopereorder = False
     return ByModule(config, log)
