@@ -12,7 +12,9 @@ store's own reader where it hashes anyway) and holds the tensors, views of that 
 the announced checksum; then it says so. A round's latency is from just before the put to the
 last worker's answer. Stores:
   * ``objstore``: the run's JetStream Object Store bucket, on a private nats-server;
-  * ``file``: a directory the processes share (atomic write with fsync, then a read each);
+  * ``file``: a directory the processes share (an atomic write, then a read each; no fsync:
+    the trainer flushes only version 0 to disk, every later version being rebuilt from the log
+    should the machine crash);
   * ``mooncake``: held by the trainer, pulled by each worker over Mooncake's transfer engine
     (TCP on loopback here; bus/mooncake.py).
 Measured in the same run, the floors the stores are compared with:
@@ -266,8 +268,9 @@ async def store_round(
     workers: Workers, store: PayloadStore, name: str, weights: ExportedWeights, timeout: float
 ) -> float:
     t0 = time.monotonic()
-    # As the trainer puts them: the transfer digest is the readers' check, no SHA-256 pass here.
-    ref = await asyncio.wait_for(store.put(name, weights.data, sha256=False), timeout)
+    # As the trainer puts every version after 0: the transfer digest is the readers' check, no
+    # SHA-256 pass here, and no flush to disk (consumers/trainer/trainer.py, announce_version).
+    ref = await asyncio.wait_for(store.put(name, weights.data, sha256=False, durable=False), timeout)
     ready = ev.WeightsReady(version=1, location=ref, weights_checksum=weights.checksum, blake3=weights.blake3)
     await workers.tell({"op": "ref", "ready": msgspec.json.encode(ready).decode()})
     done = await workers.answers(timeout)
