@@ -12,7 +12,9 @@ FILE is JSON: a list of ``{"module": "jetrl.producers", "args": [...]}``, each `
 part's own command line after ``python -m MODULE``. SIGTERM or SIGINT stops every part
 cleanly. A part that raises stops the others and the process exits 1, so the supervisor
 restarts the whole process and each part rebuilds itself from the log, as it would alone; a
-part that returns leaves the others running. The exit code is the largest of the parts'.
+part that returns leaves the others running, but for one marked ``"ends_process": true`` (the
+trainer: the supervisor reads its process's clean exit as the run's end), whose return stops
+the others. The exit code is the largest of the parts'.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ log = get_logger(__name__)
 STOP_S = 30.0  # how long the other parts have to stop when one failed
 
 
-def load_parts(spec: list[dict[str, Any]]) -> list[tuple[str, PartTask]]:
-    """Each entry's part, parsed from its own command line: (module, task)."""
+def load_parts(spec: list[dict[str, Any]]) -> list[tuple[str, PartTask, bool]]:
+    """Each entry's part, parsed from its own command line: (module, task, whether its return
+    ends the process)."""
     out = []
     for entry in spec:
         module = str(entry["module"])
@@ -46,19 +49,21 @@ def load_parts(spec: list[dict[str, Any]]) -> list[tuple[str, PartTask]]:
         part = getattr(mod, "PART", None)
         if not isinstance(part, PartEntry):
             raise SystemExit(f"{module} is not a part (it has no PART entry)")
-        out.append((module, part.task([str(a) for a in entry["args"]])))
+        out.append((module, part.task([str(a) for a in entry["args"]]), bool(entry.get("ends_process"))))
     return out
 
 
-async def run_parts(parts: list[tuple[str, PartTask]], stop: asyncio.Event) -> int:
-    """Every part until it returns; the first that raises stops the rest and ends with 1."""
+async def run_parts(parts: list[tuple[str, PartTask, bool]], stop: asyncio.Event) -> int:
+    """Every part until it returns; the first that raises stops the rest and ends with 1, one
+    that ends the process stops the rest once it returns."""
 
     async def one(task: PartTask) -> int | None:
         return await task(stop)
 
     tasks: dict[asyncio.Task[int | None], str] = {
-        asyncio.create_task(one(task), name=module): module for module, task in parts
+        asyncio.create_task(one(task), name=module): module for module, task, _ in parts
     }
+    ends = {t for t, (_, _, last) in zip(tasks, parts, strict=True) if last}
     codes: list[int] = []
     failed = False
     pending = set(tasks)
@@ -71,6 +76,14 @@ async def run_parts(parts: list[tuple[str, PartTask]], stop: asyncio.Event) -> i
                 log.error("hosted_part_failed", part=tasks[t], error=repr(exc), exc_info=exc)
             else:
                 codes.append(int(t.result() or 0))
+        if not failed and pending and done & ends:
+            stop.set()  # the part the process lives for is done: the others stop cleanly
+            try:
+                rest = await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), STOP_S)
+            except TimeoutError:
+                return max(codes)
+            codes += [1 if isinstance(c, BaseException) else int(c or 0) for c in rest]
+            return max(codes)
         if failed:
             stop.set()  # the others stop cleanly; the supervisor restarts the process
             with contextlib.suppress(TimeoutError):

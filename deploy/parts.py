@@ -36,6 +36,12 @@ class PartCommand:
     threads: int = 1  # OMP_NUM_THREADS it is started with
     kind: str = ""  # one of KINDS ("host" for several parts in one process, deploy/host.py)
     hosts_followers: bool = False  # a host of parts that only read the log
+    hosts_trainer: bool = False  # a host of the trainer and others: it exits when the trainer does
+
+    @property
+    def ends_run(self) -> bool:
+        """Whether its exiting 0 says the run is done (the trainer's process)."""
+        return self.kind == "trainer" or self.hosts_trainer
 
     @property
     def follows(self) -> bool:
@@ -135,7 +141,9 @@ class PartCommands:
         """``commands``, with the parts of ``kinds`` run as tasks of shared processes
         (deploy/host.py): the followers (recorder, monitor) in one, the others in another, so
         that the run's end still stops the others first and the followers once they caught up.
-        A part that is not one ``python -m`` process (a trainer of several ranks) keeps its own."""
+        A part that is not one ``python -m`` process (a trainer of several ranks) keeps its own.
+        A host of the trainer ends when the trainer does (its other parts stopped then): its
+        exit is the run's end, as the trainer's own process's would be."""
         groups: dict[bool, list[PartCommand]] = {True: [], False: []}
         for c in commands:
             if c.kind in kinds and c.argv[:2] == [sys.executable, "-m"]:
@@ -145,13 +153,23 @@ class PartCommands:
             if len(members) < 2:
                 continue
             name = "host-" + "-".join(dict.fromkeys(m.kind for m in members))
-            spec = [{"module": m.argv[2], "args": m.argv[3:]} for m in members]
+            spec = [
+                {"module": m.argv[2], "args": m.argv[3:], "ends_process": m.kind == "trainer"}
+                for m in members
+            ]
             path = self.run_dir / "settings" / f"{name}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(spec, indent=2))
             argv = [sys.executable, "-m", "jetrl.deploy.host", "--parts", f"@{path}"]
             threads = max(m.threads for m in members)
-            host = PartCommand(name, argv, threads=threads, kind="host", hosts_followers=followers)
+            host = PartCommand(
+                name,
+                argv,
+                threads=threads,
+                kind="host",
+                hosts_followers=followers,
+                hosts_trainer=any(m.kind == "trainer" for m in members),
+            )
             host_of.update((m.name, host) for m in members)
         # In the order of the commands, a host where its first member was.
         out: list[PartCommand] = []

@@ -62,6 +62,7 @@ class Part:
     proc: PartProcess | None = None
     restarts: int = 0
     finished: bool = False  # exited 0 on its own (the trainer, when the run is done)
+    ends_run: bool = False  # the trainer's process (its own, or a host of it with others)
     history: list[float] = field(default_factory=list)
 
 
@@ -165,6 +166,7 @@ class Supervisor:
                 c.argv,
                 threads=c.threads,
                 follows=c.follows,
+                ends_run=c.ends_run,
                 # The trainer may run anywhere, and so may the parts that only read the log
                 # (at a lower priority, they yield its cores to it): the others keep off them.
                 cpus=None if split is None or c.kind == "trainer" or c.follows else split.rest,
@@ -281,7 +283,7 @@ class Supervisor:
             code = p.proc.poll()
             if code is None:
                 continue
-            if code == 0 and p.name == "trainer":
+            if code == 0 and p.ends_run:
                 p.finished = True
                 return p
             now = time.monotonic()

@@ -29,7 +29,7 @@ async def test_a_failing_part_stops_the_others_and_the_process_fails() -> None:
         return 0
 
     stop = asyncio.Event()
-    code = await asyncio.wait_for(run_parts([("a", fails), ("b", waits)], stop), 10)
+    code = await asyncio.wait_for(run_parts([("a", fails, False), ("b", waits, False)], stop), 10)
     assert code == 1 and stop.is_set() and seen == ["stopped"]
 
 
@@ -44,14 +44,33 @@ async def test_parts_that_return_leave_the_others_running_and_the_largest_code_w
         assert not stop.is_set()  # the early one's return did not stop it
         return 0
 
-    assert await asyncio.wait_for(run_parts([("a", early), ("b", late)], stop), 10) == 3
+    assert await asyncio.wait_for(run_parts([("a", early, False), ("b", late, False)], stop), 10) == 3
+
+
+async def test_the_part_that_ends_the_process_stops_the_others_when_it_returns() -> None:
+    seen: list[str] = []
+
+    async def trainer(stop: asyncio.Event) -> int:
+        await asyncio.sleep(0.05)
+        return 0
+
+    async def worker(stop: asyncio.Event) -> int:
+        await stop.wait()  # would run forever: only the process's stop ends it
+        seen.append("stopped")
+        return 2
+
+    stop = asyncio.Event()
+    code = await asyncio.wait_for(run_parts([("w", worker, False), ("t", trainer, True)], stop), 10)
+    assert code == 2 and stop.is_set() and seen == ["stopped"]
 
 
 def test_a_module_without_a_part_entry_is_refused() -> None:
     with pytest.raises(SystemExit, match="is not a part"):
         load_parts([{"module": "jetrl.deploy.config", "args": []}])
-    ((_, task),) = load_parts([{"module": "jetrl.producers", "args": ["--nats-url", "x", "--run", "r"]}])
-    assert callable(task)
+    ((_, task, ends),) = load_parts(
+        [{"module": "jetrl.producers", "args": ["--nats-url", "x", "--run", "r"]}]
+    )
+    assert callable(task) and not ends
 
 
 def test_hosted_groups_followers_apart_and_keeps_commands_that_cannot_be_hosted(tmp_path: Path) -> None:
@@ -78,6 +97,14 @@ def test_hosted_groups_followers_apart_and_keeps_commands_that_cannot_be_hosted(
     spec = json.loads(Path(work.argv[-1][1:]).read_text())
     assert [e["module"] for e in spec] == ["jetrl.producers", *["jetrl.consumers.inference"] * 2]
     assert spec[2]["args"] == ["--worker-id", "inf-1"]
+    assert not any(e["ends_process"] for e in spec) and not work.ends_run and out["trainer"].ends_run
+    # A trainer of one process hosted beside others: its return ends the host, which ends the run.
+    one = PartCommand("trainer", [*py, "jetrl.consumers.trainer", "--run", "r"], kind="trainer")
+    hosted = {c.name: c for c in cmds.hosted([*parts[:2], one], ["producer", "inference", "trainer"])}
+    host = hosted["host-producer-inference-trainer"]
+    assert set(hosted) == {host.name} and host.ends_run
+    spec = json.loads(Path(host.argv[-1][1:]).read_text())
+    assert [e["ends_process"] for e in spec] == [False, False, True]
     # One part of a kind is left as it is; kinds not named are never hosted.
     alone = cmds.hosted(parts, ["recorder"])
     assert [c.name for c in alone] == [p.name for p in parts]

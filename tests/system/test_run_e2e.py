@@ -3,6 +3,7 @@ invariants checked from the log and the store."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from pathlib import Path
@@ -138,6 +139,23 @@ async def test_short_async_run_keeps_the_invariants(
     assert (run_dir / "reward.png").stat().st_size > 1000
     assert (run_dir / "summary.json").exists()
     assert list((run_dir / "trainer").glob("ckpt-v*/meta.json")), "no checkpoint written"
+
+
+async def test_a_run_whose_trainer_is_hosted_beside_other_parts_ends(
+    nats_server: EmbeddedServer, tmp_path: Path
+) -> None:
+    """The supervisor ends a run when the trainer's process exits on its own: hosted with the
+    producer and the worker ([run] host_together), that process is theirs too, and ends when
+    the trainer is done."""
+    args = "--trainer.max_steps 3 --trainer.batch_groups 2 --inference.workers 1 --envs.0.group_size 4 "
+    args += "--store.recorder false --bus.weights_store file --bus.max_gib 0.25 --bus.payload_max_gib 0.5"
+    cfg = load_config(None, [*args.split(), "--run.host_together", '["producer","inference","trainer"]'])
+    run_id = "e2ehost"
+    sup = Supervisor(cfg, run_id, tmp_path / run_id, nats_url=nats_server.url, quiet=True)
+    assert await asyncio.wait_for(sup.run(), 180) == 0
+    assert [p.name for p in sup.parts if p.ends_run] == ["host-producer-inference-trainer"]
+    assert [s["step"] for s in sup.progress.steps] == [0, 1, 2]
+    assert json.loads((tmp_path / run_id / "summary.json").read_text())["status"] == "completed"
 
 
 async def test_multi_turn_episodes_train_as_one_masked_rollout(
