@@ -434,10 +434,6 @@ async def bench_size(
     floors: list[float] = []
     for kind in stores:
         store = by_kind[kind]
-        # What the stores before wrote goes to disk first: a run uses one store, and the object
-        # store's chunks, written back while the file store was timed, took its rounds from
-        # ~35 ms to 80-160 ms at 50 MB.
-        await asyncio.to_thread(os.sync)
 
         async def one(k: int, store: PayloadStore = store) -> float:
             name = f"weights-{nbytes}-{k}"
