@@ -8,8 +8,11 @@ processes, one private nats-server) for the same wall-clock budget:
 
     max_off_policy_steps = 0 (synchronous on-policy), 1, 2, 4
 
-and reports steps per minute, the trainer's idle fraction, mean staleness and the reward reached.
-The recorder is off so that the two cores go to the loop itself.
+and reports steps per minute, the trainer's idle fraction, mean staleness and the reward reached,
+and how long a group took from its task to its scored rollouts (read off the log) against the
+time between steps: a group sampled by version v can be trained until step v + k, so at k=1 a
+group slower than about two steps is withheld however idle the trainer. The recorder is off so
+that the two cores go to the loop itself.
 
     python bench/async.py [--seconds 45] [--latency 0.05]
 """
@@ -18,10 +21,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from jetrl.bus import events as ev
+from jetrl.bus.client import Bus
 from jetrl.bus.log import configure
 from jetrl.bus.server import EmbeddedServer
 from jetrl.deploy.config import load_config
@@ -74,6 +80,50 @@ def mode_figures(steps: list[dict[str, float]], seconds: float) -> ModeFigures:
     )
 
 
+def latency_line(k: int, mode: ModeFigures, latencies: list[float]) -> str:
+    """How long groups took from their task to their scored rollouts, against the time
+    between steps (the window a group has at ``k`` is about ``1 + k`` of them)."""
+    head = f"groups k={k}:"
+    if not latencies:
+        return f"{head} none scored"
+    cuts = statistics.quantiles(latencies, n=10) if len(latencies) > 1 else [latencies[0]] * 9
+    out = f"{head} task to scored p50 {cuts[4]:.2f} s, p90 {cuts[8]:.2f} s ({len(latencies)} groups)"
+    if mode.steps_per_min is None:
+        return out
+
+    def slower(step: float) -> str:
+        share = sum(1 for t in latencies if t > (1 + k) * step) / len(latencies)
+        return f"{100 * share:.0f}% longer than {1 + k} steps"
+
+    step = 60 / mode.steps_per_min
+    out += f"; a step every {step:.2f} s: {slower(step)}"
+    if mode.idle is not None and mode.idle > 0:
+        # At the trainer's own pace (never waiting) the window would be this much shorter.
+        busy = step * (1 - mode.idle)
+        out += f"; at the trainer's busy pace ({busy:.2f} s a step): {slower(busy)}"
+    return out
+
+
+async def group_latencies(url: str, run_id: str) -> list[float]:
+    """Seconds from each group's TaskSubmitted to its RolloutsScored, from the run's log."""
+    bus = await Bus.connect(url)
+    try:
+        items = await bus.read_log(run_id)
+    finally:
+        await bus.close()
+    tasked: dict[str, float] = {}
+    out = []
+    for item in items:
+        e = item.event
+        if e is None:
+            continue
+        if isinstance(e.body, ev.TaskSubmitted):
+            tasked.setdefault(e.body.task_id, e.time)
+        elif isinstance(e.body, ev.RolloutsScored) and e.body.task_id in tasked:
+            out.append(e.time - tasked[e.body.task_id])
+    return out
+
+
 def speedup_line(k: int, mode: ModeFigures, base: ModeFigures | None) -> str:
     """The headline async/sync line of mode ``k``, or why it cannot be given."""
     head = f"async/sync steps-per-minute k={k}"
@@ -106,7 +156,7 @@ def run_mode(
     workers: int,
     model: list[str],
     inflight: int | None = None,
-) -> ModeFigures:
+) -> tuple[ModeFigures, list[float]]:
     args = (
         f"--run.max_wall_s {seconds} --run.seed 0 --trainer.max_off_policy_steps {k} "
         "--trainer.max_steps 100000 "
@@ -122,7 +172,7 @@ def run_mode(
     run_id = f"async-k{k}"
     sup = Supervisor(cfg, run_id, root / run_id, nats_url=url, quiet=True)
     asyncio.run(sup.run())
-    return mode_figures(sup.progress.steps, seconds)
+    return mode_figures(sup.progress.steps, seconds), asyncio.run(group_latencies(url, run_id))
 
 
 def main() -> None:
@@ -152,6 +202,7 @@ def main() -> None:
     configure(level="warning")
     modes = [int(m) for m in args.modes.split(",")]
     results: dict[int, ModeFigures] = {}
+    latencies: dict[int, list[float]] = {}
     # The server runs where `jetrl run` would run its own: off the trainer's cores (deploy/cores.py).
     server_cpus = others_cores(load_config(None, []))
     with tempfile.TemporaryDirectory() as tmp, EmbeddedServer(Path(tmp) / "nats", cpus=server_cpus) as srv:
@@ -164,7 +215,7 @@ def main() -> None:
                 "--bus.weights_store",
                 args.weights_store,
             ]
-            r = results[k] = run_mode(
+            r, lat = run_mode(
                 srv.url,
                 Path(tmp),
                 k,
@@ -175,6 +226,7 @@ def main() -> None:
                 model,
                 args.oversubscribe,
             )
+            results[k], latencies[k] = r, lat
             rate = f"{r.steps_per_min:.1f} steps/min" if r.steps_per_min is not None else "steps/min -"
             idle = f"{100 * r.idle:.1f}%" if r.idle is not None else "-"
             print(
@@ -183,6 +235,7 @@ def main() -> None:
                 f"withheld {r.withheld}",
                 flush=True,
             )
+            print(f"  {latency_line(k, r, lat)}", flush=True)
     print()
     print(f"{'mode':<12}{'steps':>6}{'steps/min':>10}{'x sync':>8}{'idle':>8}{'stale':>7}{'reward':>8}")
     base = results.get(0)
@@ -203,6 +256,8 @@ def main() -> None:
     for k, r in results.items():
         if k:
             print(idle_line(k, r))
+    for k, r in results.items():
+        print(latency_line(k, r, latencies[k]))
 
 
 if __name__ == "__main__":

@@ -49,6 +49,21 @@ def test_async_few_or_simultaneous_steps_give_no_rate(async_bench: ModuleType) -
     assert same.staleness == 0.0 and same.reward == 0.0
 
 
+def test_async_group_latencies_against_the_step_pace(async_bench: ModuleType) -> None:
+    none = async_bench.mode_figures([], 3.0)
+    assert async_bench.latency_line(1, none, []) == "groups k=1: none scored"
+    # No rate: the latencies alone; one group is enough for them.
+    assert (
+        async_bench.latency_line(1, none, [0.5])
+        == "groups k=1: task to scored p50 0.50 s, p90 0.50 s (1 groups)"
+    )
+    # A step a second, half of it waiting: at k=1 a group has about 2 s, at the busy pace 1 s.
+    paced = async_bench.mode_figures(steps_at([0, 1, 2, 3, 4, 5, 6], trainer_wait_s=0.5, step_s=0.5), 45.0)
+    line = async_bench.latency_line(1, paced, [0.2, 0.4, 1.5, 1.6, 2.5])
+    assert "a step every 1.00 s: 20% longer than 2 steps" in line
+    assert "at the trainer's busy pace (0.50 s a step): 60% longer than 2 steps" in line
+
+
 def test_async_ratio_needs_a_measured_baseline(async_bench: ModuleType) -> None:
     fast = async_bench.mode_figures(steps_at([0, 1, 2, 3, 4, 5, 6], trainer_wait_s=0.1, step_s=0.9), 45.0)
     assert fast.steps_per_min == pytest.approx(60.0) and fast.idle == pytest.approx(0.1)
