@@ -76,19 +76,14 @@ async def run_parts(parts: list[tuple[str, PartTask, bool]], stop: asyncio.Event
                 log.error("hosted_part_failed", part=tasks[t], error=repr(exc), exc_info=exc)
             else:
                 codes.append(int(t.result() or 0))
-        if not failed and pending and done & ends:
-            stop.set()  # the part the process lives for is done: the others stop cleanly
-            try:
-                rest = await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), STOP_S)
-            except TimeoutError:
-                return max(codes)
-            codes += [1 if isinstance(c, BaseException) else int(c or 0) for c in rest]
-            return max(codes)
-        if failed:
-            stop.set()  # the others stop cleanly; the supervisor restarts the process
+        if failed or done & ends:
+            # A part failed (the supervisor restarts the process), or the one the process lives
+            # for is done: the others stop cleanly, within STOP_S.
+            stop.set()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), STOP_S)
-            return 1
+                rest = await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), STOP_S)
+                codes += [1 if isinstance(c, BaseException) else int(c or 0) for c in rest]
+            return 1 if failed else max(codes)
     return max(codes, default=0)
 
 

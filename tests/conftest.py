@@ -43,8 +43,9 @@ MODULE_SECONDS = {
 
 
 def _scope(module: str) -> str:
-    """The unit the scheduler below hands to a worker: a module, or all the vLLM modules."""
-    return "vllm" if module in VLLM_MODULES else module
+    """The unit the scheduler below hands to a worker: a module (its path or its file name),
+    or all the vLLM modules."""
+    return "vllm" if module.rsplit("/", 1)[-1] in VLLM_MODULES else module
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -67,8 +68,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     class ByModule(LoadScopeScheduling):  # type: ignore[misc]  # xdist's classes are untyped here
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return "vllm" if _scope(module.rsplit("/", 1)[-1]) == "vllm" else module
+            return _scope(nodeid.split("::", 1)[0])
 
     config.option.loadscopereorder = False
     return ByModule(config, log)
