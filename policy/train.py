@@ -352,6 +352,10 @@ def set_deterministic(seed: int | None = 0, *, num_threads: int | None = None) -
     match across machines, a fixed intra-op thread count (CPU reductions may split work by
     thread count)."""
     torch.use_deterministic_algorithms(True, warn_only=False)
+    # Deterministic mode also fills every new uninitialised tensor with NaN, a debugging aid that
+    # changes no result (kernels overwrite all they return): ~700 fills a step of the demo's
+    # train call, ~5% of it (docs/running.md, "Where a step's time goes").
+    torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if num_threads is not None:
         torch.set_num_threads(num_threads)
