@@ -187,13 +187,14 @@ class PullConsumer(Generic[B]):
         """Fetch up to ``batch`` events; see :meth:`fetch_batch`."""
         return (await self.fetch_batch(batch, timeout)).deliveries
 
-    async def fetch_batch(self, batch: int = 64, timeout: float = 1.0) -> Batch[B]:
+    async def fetch_batch(self, batch: int = 64, timeout: float = 1.0, *, wait: bool = True) -> Batch[B]:
         """Fetch up to ``batch`` events. Poison messages (undecodable, spoofed, of another body
         type, delivered too often) are dead-lettered and acked here and never delivered. Empty
-        on timeout and while the connection is down (the caller just loops)."""
+        on timeout and while the connection is down (the caller just loops). ``wait`` False:
+        only what the server already has, never waiting for the first event."""
         out: Batch[B] = Batch([])
         try:
-            msgs = await self._pull(batch, timeout)
+            msgs = await (self._pull(batch, timeout) if wait else self.channel.fetch_ready(batch))
         except RETRYABLE as exc:
             self.log.warning("fetch_retry", error=repr(exc))
             await asyncio.sleep(0.2)

@@ -39,6 +39,7 @@ from jetrl.bus import events as ev
 from jetrl.bus import ids, subjects
 from jetrl.bus.client import Bus
 from jetrl.bus.consumer import Batch, PullConsumer
+from jetrl.bus.identity import cancel_and_wait
 from jetrl.bus.log import get_logger
 from jetrl.bus.payloads import PayloadError, Payloads, PayloadStore, WeightsAnnounced
 from jetrl.bus.streams import payload_bucket
@@ -68,6 +69,7 @@ from jetrl.policy.weights import ExportedWeights
 
 # WeightsReady.format of each [trainer] weights_layout (docs/events.md).
 WEIGHTS_FORMATS = {"jetrl": "safetensors", "hf": "safetensors-hf"}
+FETCH_BATCH = 256  # scored-rollout events a fetch takes at most
 # What reading a hostile rollout's arrays raises (a missing or corrupt payload, a LogArray to
 # nothing or to another array, bytes that do not fit). Connection trouble is not among them: it
 # propagates, and the trainer restarts, rather than refusing good rollouts.
@@ -314,7 +316,16 @@ class Trainer:
 
     # ---------------------------------------------------------------- training
 
-    async def step(self, groups: list[Group], wait_s: float, read_s: float = 0.0) -> None:
+    async def step(
+        self,
+        groups: list[Group],
+        wait_s: float,
+        read_s: float = 0.0,
+        consumer: PullConsumer[ev.RolloutsScored] | None = None,
+    ) -> None:
+        """Train on ``groups`` and publish the step. With ``consumer``, the groups the chain
+        scored during the train call are fetched and admitted while the step's events and
+        weights go out (its round trips and the export's thread leave the loop idle)."""
         t0 = time.perf_counter()
         # Training order: groups by arrival, samples by index (recorded in StepCompleted).
         for g in groups:
@@ -326,9 +337,13 @@ class Trainer:
         rewards = [m.rollout.reward for m in members]
         stale = [self.version - m.rollout.policy_version_start for m in members]
         metrics = await asyncio.to_thread(self.core.train, rollouts)
+        rollout_ids = [m.rollout_id for m in members]
+        # Trained from here on: a redelivery of one of them admitted meanwhile is acked, not held.
+        self.trained.update(rollout_ids)
         token_stats = await self.token_stats(self.version)
         step = self.version
         self.version += 1
+        arrived = None if consumer is None else asyncio.ensure_future(self.admit_arrived(consumer))
         tokens = sum(len(r.completion_ids) for r in rollouts)
         parts: dict[str, list[float]] = {}
         for m in members:
@@ -351,24 +366,29 @@ class Trainer:
             **self.buffer.route_metrics(groups),
             **{f"reward_{k}": sum(v) / len(v) for k, v in parts.items()},
         )
-        rollout_ids = [m.rollout_id for m in members]
         seqs = [m.seq for m in members]
         duration = time.perf_counter() - t0
         metrics["step_s"] = duration
-        step_seq = await self.publish_step(
-            step=step,
-            rollout_ids=rollout_ids,
-            rollout_seqs=seqs,
-            metrics=metrics,
-            tokens=tokens,
-            duration_s=duration,
-            token_stats=token_stats,
-        )
+        try:
+            step_seq = await self.publish_step(
+                step=step,
+                rollout_ids=rollout_ids,
+                rollout_seqs=seqs,
+                metrics=metrics,
+                tokens=tokens,
+                duration_s=duration,
+                token_stats=token_stats,
+            )
+        except BaseException:
+            if arrived is not None:
+                await cancel_and_wait(arrived)
+            raise
+        if arrived is not None:
+            await arrived
         # StepCompleted is durable: only now are the rollouts settled.
         for g in groups:
             for d in g.deliveries:
                 await d.ack()
-        self.trained.update(rollout_ids)
         if self.s.checkpoint_every and self.version % self.s.checkpoint_every == 0:
             await asyncio.to_thread(self.core.save_checkpoint, self.ckpt_dir, self.version, step_seq)
         structlog.contextvars.bind_contextvars(step=step)
@@ -404,6 +424,12 @@ class Trainer:
         )
 
     # ---------------------------------------------------------------- loop
+
+    async def admit_arrived(self, consumer: PullConsumer[ev.RolloutsScored]) -> None:
+        """Admit what the server already holds for this trainer, without waiting for more."""
+        got = await consumer.fetch_batch(FETCH_BATCH, wait=False)
+        for d in got.deliveries:
+            await self.admit(consumer, d)
 
     async def admit(self, consumer: PullConsumer[ev.RolloutsScored], d: ScoredDelivery) -> None:
         b = d.body
@@ -545,7 +571,7 @@ class Trainer:
             # the trainer's own work, timed apart.
             wait, read = ready_at - self.last_step_end, time.monotonic() - ready_at
             self.wait_s += wait
-            await self.step(batch, wait, read)
+            await self.step(batch, wait, read, consumer)
             self.last_step_end = time.monotonic()
             return True
 
@@ -576,7 +602,7 @@ class Trainer:
             # is vetted for a step (consumers/trainer/admission.py).
             await consumer.run_batches(
                 admit_all,
-                batch=256,
+                batch=FETCH_BATCH,
                 fetch_timeout=0.2,
                 stop=stop,
                 after=train_when_ready,

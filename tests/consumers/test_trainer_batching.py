@@ -167,6 +167,35 @@ async def test_a_trainer_fills_batches_by_share_and_never_waits_for_a_slow_tenan
     assert steps[1].metrics["groups.acme.math"] == 4 and steps[1].metrics["groups.globex.code"] == 0
 
 
+async def test_groups_scored_while_a_step_trains_are_admitted_by_that_step(
+    bus: Bus, run_id: str, tmp_path: Path
+) -> None:
+    # The step's events and weights go out while it fetches what came meanwhile: the next batch
+    # is held when the step ends, with no fetch of the loop's in between.
+    for n in range(2):
+        await bus.publish(scored(run_id, "acme", "math", n))
+    part = TrainerPart(
+        trainer=TrainerSettings(batch_groups=2, max_steps=10, checkpoint_every=0),
+        envs=[EnvRoute(tenant="acme", env="math", group_size=2)],
+    )
+    trainer = Trainer(bus, run_id, part, tmp_path)
+    consumer = await trainer.start()
+    for _ in range(200):
+        for d in await consumer.fetch(64, timeout=0.5):
+            await trainer.admit(consumer, d)
+        if len(trainer.buffer.ready()) == 2:
+            break
+    for n in range(2, 5):  # in the log before the step: as if scored during its train call
+        await bus.publish(scored(run_id, "acme", "math", n))
+    assert await trainer.train_ready(consumer)
+    assert sorted(g.group_id for g in trainer.buffer.ready()) == ["math.acme.2", "math.acme.3", "math.acme.4"]
+    assert trainer.version == 1
+    # Its own rollouts are trained, not held again; the next step takes two of the three.
+    assert not any(g.group_id in ("math.acme.0", "math.acme.1") for g in trainer.buffer.groups.values())
+    assert await trainer.train_ready(consumer)
+    assert len(trainer.buffer.ready()) == 1
+
+
 def test_the_share_of_groups_without_signal_counts_those_whose_rewards_are_all_equal() -> None:
     assert share_without_signal([[0.0, 1.0], [1.0, 1.0], [0.0, 0.0], [0.5, 0.5, 0.25]]) == 0.5
     assert share_without_signal([[0.3, 0.3]]) == 1.0
