@@ -255,7 +255,9 @@ async def test_a_fetch_that_does_not_wait_takes_only_what_the_server_has(bus: Bu
     assert (await c.fetch_batch(64, timeout=30.0, wait=False)).deliveries == []
     assert loop.time() - t0 < 10.0  # answered, not held for the 30 s a waiting fetch would linger
     for n in range(3):
-        await bus.publish(ev.new_event(ev.StepCompleted(step=n, policy_version=n, rollout_ids=[]), run_id=run_id))
+        await bus.publish(
+            ev.new_event(ev.StepCompleted(step=n, policy_version=n, rollout_ids=[]), run_id=run_id)
+        )
     got = (await c.fetch_batch(64, timeout=30.0, wait=False)).deliveries
     assert [d.body.step for d in got] == [0, 1, 2]  # type: ignore[attr-defined]
     for d in got:
