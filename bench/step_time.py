@@ -6,8 +6,9 @@ and from step ``--from-step`` to the end reads every process's CPU time (user + 
 wall milliseconds, each process's CPU milliseconds and their sum against the cores' capacity
 (wall x cores): what the machine spends a step on, and who spends it. The trainer's own split
 of its step (the StepCompleted metrics ``step_s``; ``trainer_read_s``, reading and checking the
-batch's arrays; ``trainer_wait_s``, waiting for a batch of fresh groups)
-follows. Extra config overrides may be given after ``--``.
+batch's arrays; ``trainer_wait_s``, waiting for a batch of fresh groups; and the rest of the
+wall time, which no metric times: the step's events and weights going out while the groups
+that came meanwhile are admitted) follows. Extra config overrides may be given after ``--``.
 
     python bench/step_time.py [--steps 200] [--from-step 20] [-- --inference.workers 1]
 """
@@ -95,9 +96,13 @@ def main() -> None:
         step_s = sum(m.get("step_s", 0.0) for m in metrics) / len(metrics)
         wait_s = sum(m.get("trainer_wait_s", 0.0) for m in metrics) / len(metrics)
         read_s = sum(m.get("trainer_read_s", 0.0) for m in metrics) / len(metrics)
+        # What no metric times: the step's events and weights going out (StepCompleted is made
+        # before), with the groups that came meanwhile admitted, and the acks.
+        rest_s = max(wall / n - step_s - read_s - wait_s, 0.0)
         print(
             f"  trainer: step {step_s * 1e3:.1f} ms, reading its batch {read_s * 1e3:.1f} ms, "
-            f"waiting for rollouts {wait_s * 1e3:.1f} ms a step"
+            f"waiting for rollouts {wait_s * 1e3:.1f} ms, "
+            f"publishing and admitting {rest_s * 1e3:.1f} ms a step"
         )
     print()
     print(
