@@ -70,17 +70,16 @@ class PullChannel:
             first = await self._linger_for_one(timeout)
             if first is None:
                 return []
-            out.append(first)
-        if len(out) < batch:
-            out += await self._what_is_there(batch - len(out), max(timeout, 5.0))
-        return out
+            out = [first]
+        return out + await self.fetch_ready(batch - len(out), max(timeout, 5.0))
 
-    async def fetch_ready(self, batch: int) -> list[Msg]:
-        """Up to ``batch`` messages the server already has, without waiting for any: one
-        ``no_wait`` request, answered at once."""
+    async def fetch_ready(self, batch: int, patience: float = 5.0) -> list[Msg]:
+        """Up to ``batch`` messages the server already has, without waiting for any: those
+        queued here, then one ``no_wait`` request for the rest, answered at once (``patience``:
+        the longest silence between its messages before the connection counts as gone)."""
         out = self._queued(batch)
         if len(out) < batch:
-            out += await self._what_is_there(batch - len(out), 5.0)
+            out += await self._what_is_there(batch - len(out), patience)
         return out
 
     def _queued(self, batch: int) -> list[Msg]:
