@@ -317,14 +317,10 @@ class Trainer:
     # ---------------------------------------------------------------- training
 
     async def step(
-        self,
-        groups: list[Group],
-        wait_s: float,
-        read_s: float = 0.0,
-        consumer: PullConsumer[ev.RolloutsScored] | None = None,
+        self, consumer: PullConsumer[ev.RolloutsScored], groups: list[Group], wait_s: float, read_s: float
     ) -> None:
-        """Train on ``groups`` and publish the step. With ``consumer``, the groups the chain
-        scored during the train call are fetched and admitted while the step's events and
+        """Train on ``groups`` and publish the step. Unless it is the last, the groups the
+        chain scored during the train call are fetched and admitted while the step's events and
         weights go out (its round trips and the export's thread leave the loop idle)."""
         t0 = time.perf_counter()
         # Training order: groups by arrival, samples by index (recorded in StepCompleted).
@@ -343,7 +339,6 @@ class Trainer:
         token_stats = await self.token_stats(self.version)
         step = self.version
         self.version += 1
-        arrived = None if consumer is None else asyncio.ensure_future(self.admit_arrived(consumer))
         tokens = sum(len(r.completion_ids) for r in rollouts)
         parts: dict[str, list[float]] = {}
         for m in members:
@@ -351,6 +346,7 @@ class Trainer:
                 parts.setdefault(k, []).append(v)
         reward_mean = sum(rewards) / len(rewards)
         self.rewards.append(reward_mean)
+        arrived = None if self.done() else asyncio.ensure_future(self.admit_arrived(consumer))
         elapsed = time.monotonic() - self.started
         metrics.update(
             reward_mean=reward_mean,
@@ -571,7 +567,7 @@ class Trainer:
             # the trainer's own work, timed apart.
             wait, read = ready_at - self.last_step_end, time.monotonic() - ready_at
             self.wait_s += wait
-            await self.step(batch, wait, read, consumer)
+            await self.step(consumer, batch, wait, read)
             self.last_step_end = time.monotonic()
             return True
 
