@@ -99,15 +99,17 @@ def inline_array(arr: np.ndarray) -> ev.InlineArray:
 
 
 def array_from_bytes(dtype: str, shape: tuple[int, ...], data: bytes | memoryview) -> np.ndarray:
-    if dtype not in _ALLOWED_DTYPES:
+    dt = _LITTLE_ENDIAN.get(dtype)
+    if dt is None:
+        if dtype == "bfloat16":
+            raise PayloadError("bfloat16 arrays are read with torch (policy/), not numpy")
         raise PayloadError(f"unknown array dtype {dtype!r}")
-    if dtype == "bfloat16":
-        raise PayloadError("bfloat16 arrays are read with torch (policy/), not numpy")
-    dt = _LITTLE_ENDIAN[dtype]
     expected = math.prod(shape) * dt.itemsize  # Python ints: never overflows, and cheap
     if len(data) != expected:
         raise PayloadIntegrityError(f"array of {dtype}{list(shape)} needs {expected} bytes, got {len(data)}")
-    return np.frombuffer(data, dtype=dt).reshape(shape)
+    flat = np.frombuffer(data, dtype=dt)
+    # A step reads ~1,000 arrays, most of them 1-D: frombuffer's shape already.
+    return flat if len(shape) == 1 else flat.reshape(shape)
 
 
 def sha256(data: Buffer) -> str:
@@ -583,7 +585,7 @@ class LogArrays:
                 f"{self.stream} sequence {ref.seq} is event {event.event_id}, not the expected {of_event}"
             )
         found = _at_path(event.body, ref.field)
-        if isinstance(found, ev.InlineArray) and (found.dtype, found.shape) == (ref.dtype, ref.shape):
+        if isinstance(found, ev.InlineArray) and found.dtype == ref.dtype and found.shape == ref.shape:
             return array_from_bytes(found.dtype, found.shape, found.data)
         what = f"{self.stream} sequence {ref.seq} ({event.type})"
         if (
@@ -611,23 +613,27 @@ def _at_path(body: object, path: str) -> object:
     """What a LogArray's dotted ``path`` names in a body: attribute names, and list indexes
     where the value is a list (``samples.3.logprobs``); None where nothing is."""
     value: object = body
-    for part, index in _path_parts(path):
+    for name, index in _path_parts(path):
         if isinstance(value, list):
             if index is None or index >= len(value):
                 return None
             value = value[index]
-        elif isinstance(value, msgspec.Struct) and not part.startswith("_"):
-            value = getattr(value, part, None)
+        elif name is not None and isinstance(value, msgspec.Struct):
+            value = getattr(value, name, None)
         else:
             return None
     return value
 
 
 @functools.lru_cache(maxsize=4096)
-def _path_parts(path: str) -> tuple[tuple[str, int | None], ...]:
-    """A dotted path's parts, each with its value as a list index (None: not a number); parsed
-    once per path (a step reads ~1,000 arrays through a few dozen paths)."""
-    return tuple((part, int(part) if part.isdigit() else None) for part in path.split("."))
+def _path_parts(path: str) -> tuple[tuple[str | None, int | None], ...]:
+    """A dotted path's parts, each as an attribute name (None for a private one, which is
+    never read) and as a list index (None: not a number); parsed once per path (a step reads
+    ~1,000 arrays through a few dozen paths)."""
+    return tuple(
+        (None if part.startswith("_") else part, int(part) if part.isdigit() else None)
+        for part in path.split(".")
+    )
 
 
 def log_array(seq: int, field: str, arr: ev.ArrayRef) -> ev.ArrayRef:
