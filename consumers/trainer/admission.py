@@ -98,8 +98,13 @@ def check_rollouts(
     indexes = [r.sample_index for r in b.rollouts]
     if len(set(indexes)) != len(indexes):
         return "invalid_group", f"sample indexes {indexes} repeat"
+    # The prompt is the event's, the same for each rollout: checked once.
+    try:
+        prompt: int | _Refused = _vector(b.prompt_tokens, "prompt_tokens", TOKEN_DTYPES, bucket)
+    except _Refused as exc:
+        prompt = exc
     for r in b.rollouts:
-        rejection = _check_one(b, r, limits, version, bucket)
+        rejection = _check_one(b, r, limits, version, bucket, prompt)
         if rejection is not None:
             reason, detail = rejection
             return reason, f"rollout {r.rollout_id}: {detail}"
@@ -107,7 +112,12 @@ def check_rollouts(
 
 
 def _check_one(
-    b: ev.RolloutsScored, r: ev.ScoredRollout, limits: ModelLimits, version: int, bucket: str | None
+    b: ev.RolloutsScored,
+    r: ev.ScoredRollout,
+    limits: ModelLimits,
+    version: int,
+    bucket: str | None,
+    prompt: int | _Refused,
 ) -> Rejection | None:
     if r.rollout_id != ids.rollout_id(b.group_id, r.sample_index):
         return "bad_ids", f"rollout id {r.rollout_id!r} is not <group_id>-<sample_index>"
@@ -124,7 +134,7 @@ def _check_one(
     if end > version:
         return "future_version", f"policy version {end} does not exist yet (the trainer is at {version})"
     try:
-        _shapes(b.prompt_tokens, r, limits, bucket)
+        _shapes(prompt, r, limits, bucket)
     except _Refused as exc:
         return exc.rejection
     return None
@@ -149,13 +159,14 @@ _ITEMSIZE = {d: np.dtype(d).itemsize for d in TOKEN_DTYPES | FLOAT_DTYPES}
 
 def _declared(ref: ev.ArrayRef, what: str, bucket: str | None) -> tuple[str, tuple[int, ...]]:
     """The dtype and shape a reference declares (what get_array will return)."""
-    if isinstance(ref, ev.PayloadRef) and (ref.dtype is None or ref.shape is None):
-        raise _Refused("bad_arrays", f"{what}: a blob reference without dtype/shape")
     dtype, shape = ref.dtype, ref.shape
-    assert dtype is not None and shape is not None
+    if dtype is None or shape is None:  # only a payload reference may lack them
+        raise _Refused("bad_arrays", f"{what}: a blob reference without dtype/shape")
     itemsize = _ITEMSIZE.get(dtype)
-    if itemsize is None or min(shape, default=0) < 0:
+    if itemsize is None or (shape and min(shape) < 0):
         raise _Refused("bad_arrays", f"{what}: {dtype}{list(shape)} cannot be read")
+    if type(ref) is ev.LogArray:  # its bytes are where it points: checked when read
+        return dtype, shape
     nbytes = math.prod(shape) * itemsize
     if isinstance(ref, ev.InlineArray) and len(ref.data) != nbytes:
         raise _Refused(
@@ -168,7 +179,7 @@ def _declared(ref: ev.ArrayRef, what: str, bucket: str | None) -> tuple[str, tup
             )
         if bucket is not None and ref.bucket != bucket:
             raise _Refused("bad_arrays", f"{what}: refers to bucket {ref.bucket!r}, not the run's")
-    return dtype, tuple(shape)
+    return dtype, shape
 
 
 def _vector(
@@ -183,8 +194,11 @@ def _vector(
     return shape[0]
 
 
-def _shapes(prompt: ev.ArrayRef, r: ev.ScoredRollout, limits: ModelLimits, bucket: str | None) -> None:
-    p = _vector(prompt, "prompt_tokens", TOKEN_DTYPES, bucket)
+def _shapes(prompt: int | _Refused, r: ev.ScoredRollout, limits: ModelLimits, bucket: str | None) -> None:
+    """``prompt``: the prompt's length, or why it is refused."""
+    if isinstance(prompt, _Refused):
+        raise prompt
+    p = prompt
     c = _vector(r.completion_tokens, "completion_tokens", TOKEN_DTYPES, bucket)
     if p < 1 or c < 1:
         raise _Refused("bad_arrays", f"needs >= 1 prompt and >= 1 completion token, got {p}+{c}")

@@ -16,6 +16,7 @@ import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -31,9 +32,9 @@ CHECKPOINT_FORMAT = 2  # 2: a directory (engine files + meta.json); 1 was one to
 META_FILE = "meta.json"
 
 
-@dataclass(frozen=True)
-class RolloutArrays:
-    """A rollout's arrays as read from the log or the payload store."""
+class RolloutArrays(NamedTuple):
+    """A rollout's arrays as read from the log or the payload store (a named tuple: a step
+    makes 256 of them, and a frozen dataclass's __init__ costs four times as much)."""
 
     prompt: np.ndarray
     completion: np.ndarray
@@ -87,40 +88,37 @@ class TrainCore:
         return got
 
     async def read_many(self, views: Sequence[ScoredView], payloads: Payloads) -> list[RolloutArrays]:
-        """The arrays of several rollouts (a group's, a step's), each distinct array read once:
-        a group's members share one prompt. Arrays in the log must lie in the rollout's own
+        """The arrays of several rollouts (a group's, a step's): each rollout's own, and the
+        prompt its group's members share once. Arrays in the log must lie in the rollout's own
         generation (its prompt in its own task): a tenant's rollout may not train on another's
         tokens by pointing at them."""
-        wanted: dict[tuple[ev.ArrayRef, str], int] = {}  # (array, the event it lies in) -> index
-
-        def at(ref: ev.ArrayRef, owner: str) -> int:
-            return wanted.setdefault((ref, owner), len(wanted))
-
-        def maybe(ref: ev.ArrayRef | None, owner: str) -> int | None:
-            return None if ref is None else at(ref, owner)
-
-        slots = []
+        refs: list[tuple[ev.ArrayRef, str]] = []
+        prompts: dict[tuple[ev.ArrayRef, str], int] = {}
+        slots: list[tuple[int, int, int | None, int | None]] = []
+        replay = self.s.replay
         for v in views:
             own, r = v.body.generation_event_id, v.rollout
-            slots.append(
-                (
-                    at(v.body.prompt_tokens, v.prompt_owner),
-                    at(r.completion_tokens, own),
-                    at(r.logprobs, own),
-                    maybe(r.completion_mask, own),
-                    maybe(r.routing_trace if self.s.replay else None, own),
-                )
-            )
-        got = await payloads.get_arrays(list(wanted))
+            key = (v.body.prompt_tokens, v.prompt_owner)
+            p = prompts.get(key)
+            if p is None:
+                p = prompts[key] = len(refs)
+                refs.append(key)
+            c = len(refs)
+            refs += ((r.completion_tokens, own), (r.logprobs, own))
+            m = t = None
+            if r.completion_mask is not None:
+                m = len(refs)
+                refs.append((r.completion_mask, own))
+            if replay and r.routing_trace is not None:
+                t = len(refs)
+                refs.append((r.routing_trace, own))
+            slots.append((p, c, m, t))
+        got = await payloads.get_arrays(refs)
         return [
             RolloutArrays(
-                prompt=got[p],
-                completion=got[c],
-                logprobs=got[lp],
-                mask=None if m is None else got[m],
-                trace=None if t is None else got[t],
+                got[p], got[c], got[c + 1], None if m is None else got[m], None if t is None else got[t]
             )
-            for p, c, lp, m, t in slots
+            for p, c, m, t in slots
         ]
 
     async def rollouts(
@@ -141,20 +139,21 @@ class TrainCore:
         if unread:
             fresh = await self.read_many(unread, payloads)
             read = {**read, **dict(zip([v.rollout_id for v in unread], fresh, strict=True))}
-        out: list[Rollout] = []
-        for i, v in enumerate(views):
-            arrays = read[v.rollout_id]
-            out.append(
-                Rollout(
-                    prompt_ids=arrays.prompt,
-                    completion_ids=arrays.completion,
-                    inference_logprobs=torch.from_numpy(arrays.logprobs.copy()),
-                    advantage=adv[i],
-                    routing=None if arrays.trace is None else torch.from_numpy(arrays.trace.astype("int64")),
-                    completion_mask=None if arrays.mask is None else arrays.mask.astype(bool),
-                )
+        got = [read[v.rollout_id] for v in views]
+        logprobs = _tensors([a.logprobs for a in got])
+        traced = iter(_tensors([a.trace for a in got if a.trace is not None], np.int64))
+        traces = [None if a.trace is None else next(traced) for a in got]
+        return [
+            Rollout(
+                prompt_ids=a.prompt,
+                completion_ids=a.completion,
+                inference_logprobs=logprobs[i],
+                advantage=adv[i],
+                routing=traces[i],
+                completion_mask=None if a.mask is None else a.mask.astype(bool),
             )
-        return out
+            for i, a in enumerate(got)
+        ]
 
     def train(self, rollouts: list[Rollout]) -> dict[str, float]:
         return self.engine.step(rollouts)
@@ -208,6 +207,16 @@ class TrainCore:
                 f"{path}: weights checksum {digest} does not match the recorded {meta['weights_checksum']}"
             )
         return Checkpoint(int(meta["version"]), digest, int(meta["log_seq"]), path)
+
+
+def _tensors(arrays: Sequence[np.ndarray], dtype: type[np.generic] | None = None) -> list[torch.Tensor]:
+    """Writable tensors of ``arrays`` (read-only views of the log's bytes), as ``dtype`` when
+    given: one copy of them all where they are alike (a step's 256 arrays in a few calls, not a
+    few each), one each otherwise."""
+    if arrays and len({(a.dtype, a.shape[1:]) for a in arrays}) == 1:
+        joined = np.concatenate(arrays).astype(dtype or arrays[0].dtype, copy=False)
+        return list(torch.from_numpy(joined).split([len(a) for a in arrays]))
+    return [torch.from_numpy(a.astype(dtype or a.dtype)) for a in arrays]
 
 
 def array_refs(v: ScoredView) -> tuple[ev.ArrayRef | None, ...]:

@@ -491,23 +491,23 @@ class Trainer:
         whose arrays cannot be read or hold impossible values is rejected instead of failing
         the step. True when every group passed."""
         assert self.payloads is not None
-        todo = [g for g in groups if g.group_id not in self.buffer.vetted]
+        todo = [
+            (g, [self.view(m) for m in g.members]) for g in groups if g.group_id not in self.buffer.vetted
+        ]
         with contextlib.suppress(*READ_ERRORS):  # read ahead; a failure is pinned on its rollout below
-            await self.payloads.prefetch(
-                [a for g in todo for m in g.members for a in array_refs(self.view(m))]
-            )
+            await self.payloads.prefetch([a for _, views in todo for v in views for a in array_refs(v)])
         ok = True
-        for g in todo:
+        for g, views in todo:
             read: dict[str, RolloutArrays] = {}
             refused: tuple[Member, tuple[str, str]] | None = None
             try:
-                arrays = await self.core.read_many([self.view(m) for m in g.members], self.payloads)
+                arrays = await self.core.read_many(views, self.payloads)
                 read = {m.rollout_id: a for m, a in zip(g.members, arrays, strict=True)}
             except READ_ERRORS:
                 # One of them cannot be read: find which, one by one, to refuse its event.
-                for m in g.members:
+                for m, v in zip(g.members, views, strict=True):
                     try:
-                        read[m.rollout_id] = await self.core.read_arrays(self.view(m), self.payloads)
+                        read[m.rollout_id] = await self.core.read_arrays(v, self.payloads)
                     except READ_ERRORS as exc:
                         refused = (m, ("bad_arrays", f"arrays cannot be read: {exc}"))
                         break

@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
+import torch
 
 from jetrl.bus import events as ev
 from jetrl.bus import ids
@@ -27,7 +28,7 @@ from jetrl.consumers.trainer.admission import (
     check_rollouts,
     routes_by_key,
 )
-from jetrl.consumers.trainer.core import TrainCore
+from jetrl.consumers.trainer.core import RolloutArrays, ScoredView, TrainCore
 from jetrl.consumers.trainer.replay import Replayer, read_rollouts, read_run_log, trained_seqs
 from jetrl.consumers.trainer.settings import TrainerPart, TrainerSettings
 from jetrl.consumers.trainer.trainer import Trainer
@@ -272,6 +273,33 @@ def test_arrays_as_read() -> None:
         prompt, completion, logprobs, mask, routing = args
         got = check_read(prompt, completion, logprobs, mask, routing, LIMITS)
         assert got is not None and got[0] == expected, (args, got)
+
+
+async def test_training_inputs_are_writable_copies_of_the_arrays_as_read() -> None:
+    """A step's arrays become its rollouts' tensors in a few copies where they are alike, one
+    each where they are not (traces of uint8 and uint16, say): the same values either way, as
+    int64 routing, never a view of the log's read-only bytes."""
+    core = TrainCore(trainer_part())
+    b = body(indexes=(0, 1))
+    views = [ScoredView(b, r, "owner") for r in b.rollouts]
+    for trace_dtypes in [(np.uint8, np.uint8), (np.uint8, np.uint16)]:
+        read: dict[str, RolloutArrays] = {}
+        for (r, dt), rows in zip(zip(b.rollouts, trace_dtypes, strict=True), (4, 6), strict=True):
+            frozen = [np.arange(n, dtype=t) for n, t in ((3, np.int32), (rows - 2, np.int32))]
+            logprobs = np.full(rows - 2, -0.5, np.float32)
+            trace = np.broadcast_to(np.asarray([0, 1], dt), (rows, 2, 2)).copy()
+            for x in (*frozen, logprobs, trace):
+                x.setflags(write=False)
+            read[r.rollout_id] = RolloutArrays(frozen[0], frozen[1], logprobs, None, trace)
+        got = await core.rollouts(views, payloads=None, read=read)  # type: ignore[arg-type]
+        for v, g in zip(views, got, strict=True):
+            a = read[v.rollout_id]
+            assert g.routing is not None and a.trace is not None and g.routing.dtype == torch.int64
+            assert g.routing.tolist() == a.trace.astype(np.int64).tolist()
+            assert g.inference_logprobs.dtype == torch.float32
+            assert g.inference_logprobs.tolist() == a.logprobs.tolist()
+            g.inference_logprobs.add_(1.0)  # writable, and not the read array
+            assert a.logprobs.tolist() == [-0.5] * len(a.logprobs)
 
 
 # ------------------------------------------------------------------------ through a real server
