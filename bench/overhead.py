@@ -10,9 +10,12 @@ reward target (a 10-step mean of 0.92) and are timed from start to the step that
   ``max_off_policy_steps``.
 
 Asynchrony must pay for the bus: the target is jetrl <= 1.0x of the one-process loop, the
-floor 1.5x. Extra config overrides (both sides) may be given after ``--``.
+floor 1.5x. ``--rounds N`` runs every seed's pair N times, round after round, and takes a seed's
+ratio of its median times: on a machine whose speed drifts, one round's median seed moves the
+headline by a tenth. Extra config overrides (both sides) may be given after ``--``.
 
-    python bench/overhead.py [--seeds 0 1 2 3 4] [--max-steps 1500] [-- --inference.precision fp32]
+    python bench/overhead.py [--seeds 0 1 2 3 4] [--rounds 2] [--max-steps 1500]
+                             [-- --inference.precision fp32]
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -151,33 +155,46 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     ap.add_argument("--max-steps", type=int, default=1500)
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="every seed's pair run this many times, round after round: a seed's ratio is of its "
+        "median times (a machine whose speed drifts moves one round's median seed by a tenth)",
+    )
     ap.add_argument("over", nargs="*", help="config overrides, after --")
     args = ap.parse_args()
     configure("warning")
-    rows: list[tuple[int, float | None, int, float | None, int]] = []
+    pairs: dict[int, list[Pair]] = {seed: [] for seed in args.seeds}
     # The server runs where `jetrl run` would run its own: off the trainer's cores (deploy/cores.py).
     server_cpus = others_cores(load_config(ROOT / "configs" / "demo.toml"))
     with tempfile.TemporaryDirectory() as tmp, EmbeddedServer(Path(tmp) / "nats", cpus=server_cpus) as srv:
-        for seed in args.seeds:
-            over = ["--run.seed", str(seed), "--trainer.max_steps", str(args.max_steps), *args.over]
-            cfg = load_config(ROOT / "configs" / "demo.toml", [*over, "--store.recorder", "false"])
-            one_s, one_n = one_process(cfg, Path(tmp), args.threads)
-            print(f"seed {seed}: one process    {_t(one_s)} in {one_n} steps", flush=True)
-            jet_s, jet_n = with_jetrl(cfg, srv.url, Path(tmp), f"overhead-{seed}")
-            print(f"seed {seed}: jetrl run      {_t(jet_s)} in {jet_n} steps", flush=True)
-            rows.append((seed, one_s, one_n, jet_s, jet_n))
+        for r in range(args.rounds):
+            label = f"round {r + 1} " if args.rounds > 1 else ""
+            for seed in args.seeds:
+                over = ["--run.seed", str(seed), "--trainer.max_steps", str(args.max_steps), *args.over]
+                cfg = load_config(ROOT / "configs" / "demo.toml", [*over, "--store.recorder", "false"])
+                one = one_process(cfg, Path(tmp), args.threads)
+                print(f"{label}seed {seed}: one process    {_t(one[0])} in {one[1]} steps", flush=True)
+                jet = with_jetrl(cfg, srv.url, Path(tmp), f"overhead-{seed}-r{r}")
+                print(f"{label}seed {seed}: jetrl run      {_t(jet[0])} in {jet[1]} steps", flush=True)
+                pairs[seed].append(Pair(*one, *jet))
     print()
     print(f"{'seed':>4} {'one process':>14} {'jetrl run':>14} {'ratio':>7}")
-    ratios = []
-    for seed, one_s, one_n, jet_s, jet_n in rows:
+    ratios, steps = [], []
+    for seed, runs in pairs.items():
+        one_s, one_n = _median_of(runs, lambda p: (p.one_s, p.one_n))
+        jet_s, jet_n = _median_of(runs, lambda p: (p.jet_s, p.jet_n))
         ratio = jet_s / one_s if one_s and jet_s else None
         if ratio is not None:
             ratios.append(ratio)
+            steps.append(jet_n / one_n)
         shown = f"{ratio:.2f}x" if ratio is not None else "-"
-        print(f"{seed:>4} {_t(one_s):>8} ({one_n:>4}) {_t(jet_s):>8} ({jet_n:>4}) {shown:>7}")
+        print(f"{seed:>4} {_t(one_s):>8} ({one_n:>4.0f}) {_t(jet_s):>8} ({jet_n:>4.0f}) {shown:>7}")
+    rounds = f"; each seed's median of {args.rounds} rounds" if args.rounds > 1 else ""
     print(
         f"(one process: {args.threads} torch threads; jetrl run: the demo's parts on the same cores; "
-        f"overrides {args.over or 'none'})"
+        f"overrides {args.over or 'none'}{rounds})"
     )
     print()
     if ratios:
@@ -185,19 +202,39 @@ def main() -> None:
             f"overhead jetrl/one-process {statistics.median(ratios):.2f}x median of {len(ratios)} seeds "
             "(target <= 1.0x, floor 1.5x)"
         )
-        steps = [jet_n / one_n for _, one_s, one_n, jet_s, jet_n in rows if one_s and jet_s]
         print(
             f"steps to target jetrl (max_off_policy_steps {cfg.trainer.max_off_policy_steps})/one process "
             f"(on-policy) {statistics.median(steps):.2f}x median of {len(steps)} seeds (target <= 1.2x)"
         )
     else:
-        one = sum(1 for _, one_s, _, _, _ in rows if one_s is not None)
-        jet = sum(1 for _, _, _, jet_s, _ in rows if jet_s is not None)
+        one_reached = sum(1 for runs in pairs.values() if any(p.one_s is not None for p in runs))
+        jet_reached = sum(1 for runs in pairs.values() if any(p.jet_s is not None for p in runs))
         print(
             f"overhead jetrl/one-process: too few seeds to measure (none reached the reward target in "
-            f"both within {args.max_steps} steps: one process {one} of {len(rows)}, jetrl run {jet} "
-            f"of {len(rows)})"
+            f"both within {args.max_steps} steps: one process {one_reached} of {len(pairs)}, jetrl run "
+            f"{jet_reached} of {len(pairs)})"
         )
+
+
+class Pair(NamedTuple):
+    """One round of a seed: seconds to the target (None: not reached) and steps, each side."""
+
+    one_s: float | None
+    one_n: int
+    jet_s: float | None
+    jet_n: int
+
+
+def _median_of(
+    runs: list[Pair], side: Callable[[Pair], tuple[float | None, int]]
+) -> tuple[float | None, float]:
+    """A side's median seconds and steps over the rounds that reached the target (None and the
+    median steps of all rounds where none did)."""
+    got = [side(p) for p in runs]
+    reached = [(s, n) for s, n in got if s is not None]
+    if not reached:
+        return None, statistics.median(n for _, n in got)
+    return statistics.median(s for s, _ in reached), statistics.median(n for _, n in reached)
 
 
 def _t(s: float | None) -> str:
