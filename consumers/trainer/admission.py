@@ -133,6 +133,8 @@ def _check_one(
         return "bad_version", f"policy versions {start}..{end}"
     if end > version:
         return "future_version", f"policy version {end} does not exist yet (the trainer is at {version})"
+    if isinstance(prompt, _Refused):
+        return prompt.rejection
     try:
         _shapes(prompt, r, limits, bucket)
     except _Refused as exc:
@@ -194,11 +196,8 @@ def _vector(
     return shape[0]
 
 
-def _shapes(prompt: int | _Refused, r: ev.ScoredRollout, limits: ModelLimits, bucket: str | None) -> None:
-    """``prompt``: the prompt's length, or why it is refused."""
-    if isinstance(prompt, _Refused):
-        raise prompt
-    p = prompt
+def _shapes(p: int, r: ev.ScoredRollout, limits: ModelLimits, bucket: str | None) -> None:
+    """``p``: the prompt's length (its declaration checked once an event)."""
     c = _vector(r.completion_tokens, "completion_tokens", TOKEN_DTYPES, bucket)
     if p < 1 or c < 1:
         raise _Refused("bad_arrays", f"needs >= 1 prompt and >= 1 completion token, got {p}+{c}")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -423,7 +424,11 @@ class Trainer:
 
     async def admit_arrived(self, consumer: PullConsumer[ev.RolloutsScored]) -> None:
         """Admit what the server already holds for this trainer, without waiting for more."""
-        got = await consumer.fetch_batch(FETCH_BATCH, wait=False)
+        await self.admit_all(consumer, await consumer.fetch_batch(FETCH_BATCH, wait=False))
+
+    async def admit_all(
+        self, consumer: PullConsumer[ev.RolloutsScored], got: Batch[ev.RolloutsScored]
+    ) -> None:
         for d in got.deliveries:
             await self.admit(consumer, d)
 
@@ -575,10 +580,6 @@ class Trainer:
         consumer = await self.start()
         last_beat = time.monotonic()
 
-        async def admit_all(got: Batch[ev.RolloutsScored]) -> None:
-            for d in got.deliveries:
-                await self.admit(consumer, d)
-
         async def train_when_ready() -> bool:
             nonlocal last_beat
             # Every batch that is ready, not one per fetch: a fetch waits for the next event,
@@ -597,7 +598,7 @@ class Trainer:
             # A hostile rollout never gets there: it is refused at admission or when its group
             # is vetted for a step (consumers/trainer/admission.py).
             await consumer.run_batches(
-                admit_all,
+                functools.partial(self.admit_all, consumer),
                 batch=FETCH_BATCH,
                 fetch_timeout=0.2,
                 stop=stop,
