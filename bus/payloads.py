@@ -365,7 +365,16 @@ class ObjectStorePayloads:
 
 
 class FilePayloads:
-    """A directory on a shared filesystem; writes are atomic (temp file + rename)."""
+    """A directory on a shared filesystem; writes are atomic (temp file + rename).
+
+    A discarded object (a policy version past its retention) is kept as the directory's spare
+    file, and the next put writes over the spare's pages instead of a new file's: the pages
+    stay in the page cache, so a put is one copy, not the allocation of as many new pages
+    (which a VM whose freed memory is handed back to its host, as this project's CI machines
+    do, pays for again at every put: 500 MB took 0.9-1.4 s instead of 0.12 s one put in three).
+    A reader still reading the discarded object then meets changed bytes, which its check
+    refuses, as it would a missing object.
+    """
 
     kind = "file"
     held_by_writer = False
@@ -400,7 +409,7 @@ class FilePayloads:
         self, name: str, data: Buffer, *, sha256: bool = True, durable: bool = True
     ) -> ev.PayloadRef:
         path = self._path(name)
-        await asyncio.to_thread(_atomic_write, path, data, durable)
+        await asyncio.to_thread(_atomic_write, path, data, durable, path.with_name(_SPARE))
         return _ref(self, name, data, _sha256(data) if sha256 else "")
 
     async def get_bytes(self, ref: ev.PayloadRef) -> bytes:
@@ -419,9 +428,12 @@ class FilePayloads:
         return False
 
     async def discard(self, name: str) -> None:
-        await asyncio.to_thread(self._path(name).unlink, missing_ok=True)
+        path = self._path(name)
+        with contextlib.suppress(FileNotFoundError):  # the spare it replaces is unlinked
+            await asyncio.to_thread(path.replace, path.with_name(_SPARE))
 
 
+_SPARE = ".spare"  # a discarded object's file, for the next put to write over (no name starts with ".")
 _READ_PIECE = 8 << 20  # a file is read, and its progress told, this much at a time
 
 
@@ -470,11 +482,20 @@ def _ref(store: ObjectStorePayloads | FilePayloads, name: str, data: Buffer, dig
     return ev.PayloadRef(store=store.kind, bucket=store.bucket, name=name, size=size, sha256=digest)
 
 
-def _atomic_write(path: Path, data: Buffer, durable: bool = True) -> None:
+def _atomic_write(path: Path, data: Buffer, durable: bool = True, spare: Path | None = None) -> None:
+    """``data`` into ``path`` whole or not at all; written over ``spare``'s pages where there is
+    one (claimed by renaming it: of two writers, one gets it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("wb") as f:
+    reuse = False
+    if spare is not None:
+        with contextlib.suppress(FileNotFoundError):
+            spare.replace(tmp)
+            reuse = True
+    with tmp.open("r+b" if reuse else "wb") as f:
         f.write(data)
+        if reuse:
+            f.truncate()  # at the end of what was written: a larger spare's tail goes
         f.flush()
         if durable:  # an fsync a step stalls the run where a store's commits share the disk
             os.fsync(f.fileno())

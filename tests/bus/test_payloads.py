@@ -275,6 +275,33 @@ async def test_a_discarded_payload_is_gone_and_discarding_twice_is_no_error(
             await FilePayloads(tmp_path, "run3").discard("../escape")
 
 
+async def test_the_file_store_writes_a_put_over_the_last_discarded_file(tmp_path: Path) -> None:
+    """A discarded version's file is kept as the spare, and the next put is written over its
+    pages (the same file, renamed): whole, at its own size, larger or smaller than the spare's."""
+    files = FilePayloads(tmp_path, "w")
+    root = tmp_path / "w"
+    a, b, c = (np.random.default_rng(k).bytes(n) for k, n in ((1, 3_000_000), (2, 1_000_000), (3, 2_000_000)))
+    ref_a = await files.put("weights-v1", a, sha256=False)
+    inode = (root / "weights-v1").stat().st_ino
+    await files.discard("weights-v1")
+    assert not (root / "weights-v1").exists() and (root / ".spare").stat().st_ino == inode
+    with pytest.raises(PayloadMissing):
+        await files.get_bytes(ref_a)
+    ref_b = await files.put("weights-v2", b)  # smaller than the spare: its tail is cut
+    assert (root / "weights-v2").stat().st_ino == inode and not (root / ".spare").exists()
+    assert await files.get_bytes(ref_b) == b and ref_b.sha256 == hashlib.sha256(b).hexdigest()
+    await files.discard("weights-v2")
+    ref_c = await files.put("weights-v3", c)  # larger than the spare: it grows
+    assert (root / "weights-v3").stat().st_ino == inode and await files.get_bytes(ref_c) == c
+    fresh = await files.put("weights-v4", b)  # no spare left: a new file
+    assert (root / "weights-v4").stat().st_ino != inode and await files.get_bytes(fresh) == b
+    # Discarding with a spare there replaces it; only the newest discarded file is kept.
+    await files.discard("weights-v3")
+    await files.discard("weights-v4")
+    assert sorted(p.name for p in root.iterdir()) == [".spare"]
+    assert (root / ".spare").read_bytes() == b
+
+
 def _weights_blob(size: int, seed: int) -> tuple[bytes, str]:
     """Bytes framed as a weights file (an 8-byte header length, a header, then data) and their
     transfer digest, as policy/weights.py's ``transfer_digest`` defines it."""
