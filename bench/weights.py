@@ -14,7 +14,8 @@ last worker's answer. Stores:
   * ``objstore``: the run's JetStream Object Store bucket, on a private nats-server;
   * ``file``: a directory the processes share (an atomic write, then a read each; no fsync:
     the trainer flushes only version 0 to disk, every later version being rebuilt from the log
-    should the machine crash);
+    should the machine crash; each round's file discarded after it, as the trainer discards a
+    version past its retention, so the next round writes over its pages);
   * ``mooncake``: held by the trainer, pulled by each worker over Mooncake's transfer engine
     (TCP on loopback here; bus/mooncake.py).
 Measured in the same run, the floors the stores are compared with:

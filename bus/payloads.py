@@ -369,11 +369,12 @@ class FilePayloads:
 
     A discarded object (a policy version past its retention) is kept as the directory's spare
     file, and the next put writes over the spare's pages instead of a new file's: the pages
-    stay in the page cache, so a put is one copy, not the allocation of as many new pages
-    (which a VM whose freed memory is handed back to its host, as this project's CI machines
-    do, pays for again at every put: 500 MB took 0.9-1.4 s instead of 0.12 s one put in three).
-    A reader still reading the discarded object then meets changed bytes, which its check
-    refuses, as it would a missing object.
+    stay in the page cache, so a put is one copy, not the allocation of as many new pages. On
+    a VM that hands freed memory back to its host (virtio-balloon free page reporting, as on
+    the 2-core VMs docs/events.md measures on), new pages are faulted in by the host again: a
+    500 MB put took 0.9-1.4 s instead of 0.12 s, one put in three. A reader still reading the
+    discarded object then meets changed bytes, which its check refuses, as it would a missing
+    object.
     """
 
     kind = "file"
