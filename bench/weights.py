@@ -3,14 +3,14 @@
 The bench process plays the trainer: it exports weights (random float32 tensors of the size
 asked) as the trainer does, in one pass that serialises them into the buffer the store sends
 from and takes their checksum and transfer digest on the way (policy/weights.py,
-``export_weights``; timed apart, as ``export``: it is the making of a version, done whatever
-the transport), then, timed, puts that buffer into a payload store and hands the reference to
-N worker processes (a pipe line each, standing in for the WeightsReady event). Each worker
-reads the bytes as a run's workers do (:meth:`~jetrl.bus.payloads.Payloads.get_weights`:
-straight into its buffer, checked once as they land, against the transfer digest, or by the
-store's own reader where it hashes anyway) and holds the tensors, views of that buffer with
-the announced checksum; then it says so. A round's latency is from just before the put to the
-last worker's answer. Stores:
+``export_weights``, the checksum in a thread beside the copy from 8 MB; timed apart, as
+``export``: it is the making of a version, done whatever the transport), then, timed, puts that
+buffer into a payload store and hands the reference to N worker processes (a pipe line each,
+standing in for the WeightsReady event). Each worker reads the bytes as a run's workers do
+(:meth:`~jetrl.bus.payloads.Payloads.get_weights`: straight into its buffer, checked once as
+they land, against the transfer digest, or by the store's own reader where it hashes anyway)
+and holds the tensors, views of that buffer with the announced checksum; then it says so. A
+round's latency is from just before the put to the last worker's answer. Stores:
   * ``objstore``: the run's JetStream Object Store bucket, on a private nats-server;
   * ``file``: a directory the processes share (an atomic write, then a read each; no fsync:
     the trainer flushes only version 0 to disk, every later version being rebuilt from the log

@@ -1,4 +1,5 @@
 import struct
+import threading
 
 import numpy as np
 import pytest
@@ -186,6 +187,28 @@ def test_export_in_one_pass_is_the_checksum_and_digest_of_what_it_wrote(weights,
         bad = bytearray(data)
         bad[at] ^= 1
         assert transfer_digest(bad) != b3
+
+
+def test_a_checksum_taken_in_its_own_thread_is_the_same_checksum() -> None:
+    """Large weights have their checksum taken by a thread beside the copy (policy/weights.py):
+    the same digest as in line, for a Hasher fed piece by piece and for a whole export."""
+    tensors = _mixed()
+    for background in (False, True):
+        h = Hasher(background=background)
+        for name in canonical_order(tensors):
+            t = tensors[name].contiguous()
+            raw = t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else memoryview(b"")
+            h.begin(name, t.dtype, tuple(t.shape), raw.nbytes)
+            for off in range(0, raw.nbytes, 5):  # many small pieces: the queue fills and drains
+                h.update(raw[off : off + 5])
+        assert h.hexdigest() == checksum(tensors)
+    h = Hasher(background=True)
+    h.close()  # a thread given nothing ends; its digest is the empty weights'
+    assert h.hexdigest() == checksum({})
+    big = {f"w{i}": torch.randn(1_000_000, generator=torch.Generator().manual_seed(i)) for i in range(3)}
+    data, digest, b3 = export_weights(big)  # 12 MB: past the size hashed beside the copy
+    assert digest == checksum(big) and b3 == transfer_digest(data)
+    assert not [t for t in threading.enumerate() if t.name == "weights-checksum"]
 
 
 def test_export_in_hugging_face_layout_keeps_the_canonical_checksum(model, cfg) -> None:

@@ -245,18 +245,26 @@ class ShardedPolicy:
                 for out_name, out in (self._to_hf({name: meta}) if hf else {name: meta}).items():
                     specs.append((out_name, out.dtype, tuple(out.shape)))
             meta_out = {**(metadata or {}), **({META_LAYOUT: "hf"} if hf else {})}
-            buf, h = SafetensorsBuffer(specs, meta_out), Hasher()
-        for name, t in self._full_tensors():
-            if buf is not None and h is not None and t is not None:
-                if not hf:
-                    buf.put(name, t.contiguous(), checksum=h)  # hashed from the copy as it is made
-                    continue
-                h.add(name, t)
-                for out_name, out in self._to_hf({name: t}).items():
-                    buf.put(out_name, out.contiguous())
-        if buf is None or h is None:
-            return None
-        return buf.finish(h.hexdigest())
+            # Hashed beside the copy where what it hashes is the buffer's (not in Hugging Face
+            # layout, whose checksum takes each gathered tensor: a queue of them would hold
+            # that many full tensors more).
+            nbytes = sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in specs)
+            buf, h = SafetensorsBuffer(specs, meta_out), Hasher.for_export(0 if hf else nbytes)
+        try:
+            for name, t in self._full_tensors():
+                if buf is not None and h is not None and t is not None:
+                    if not hf:
+                        buf.put(name, t.contiguous(), checksum=h)  # hashed from the copy as it is made
+                        continue
+                    h.add(name, t)
+                    for out_name, out in self._to_hf({name: t}).items():
+                        buf.put(out_name, out.contiguous())
+            if buf is None or h is None:
+                return None
+            return buf.finish(h.hexdigest())
+        finally:
+            if h is not None:
+                h.close()  # its thread, where it has one, ends with the export, failed or not
 
     def load_weights(self, tensors: Mapping[str, torch.Tensor] | None) -> None:
         """Full tensors on rank 0 become every rank's shards: each broadcast, then cut to the
