@@ -114,6 +114,7 @@ class Hasher:
         self._last: bytes | None = None
         self._queue: queue.Queue[bytes | memoryview | None] | None = None
         self._thread: threading.Thread | None = None
+        self._failed: BaseException | None = None  # the thread's, raised by close()
         if background:
             self._queue = queue.Queue(maxsize=_QUEUED)
             self._thread = threading.Thread(target=self._drain, name="weights-checksum", daemon=True)
@@ -121,14 +122,18 @@ class Hasher:
 
     @classmethod
     def for_export(cls, nbytes: int) -> Hasher:
-        """The hasher for an export of ``nbytes`` whose pieces are the export's own buffer:
-        in a thread of its own from ``_BACKGROUND_CHECKSUM`` bytes on."""
+        """The hasher for an export of ``nbytes`` (whose pieces stay as they are until it
+        ends): in a thread of its own from ``_BACKGROUND_CHECKSUM`` bytes on."""
         return cls(background=nbytes >= _BACKGROUND_CHECKSUM)
 
     def _drain(self) -> None:
         assert self._queue is not None
         while (piece := self._queue.get()) is not None:
-            self._h.update(piece)
+            if self._failed is None:  # after a failure, drained only: the feeder never blocks
+                try:
+                    self._h.update(piece)
+                except BaseException as exc:  # raised in the caller's thread, by close()
+                    self._failed = exc
 
     def _feed(self, data: bytes | memoryview) -> None:
         if self._queue is None:
@@ -142,6 +147,8 @@ class Hasher:
             self._queue.put(None)
             self._thread.join()
             self._thread = self._queue = None
+        if self._failed is not None:
+            raise self._failed
 
     def add(self, name: str, t: torch.Tensor) -> None:
         raw = _raw_bytes(t)

@@ -205,6 +205,15 @@ def test_a_checksum_taken_in_its_own_thread_is_the_same_checksum() -> None:
     h = Hasher(background=True)
     h.close()  # a thread given nothing ends; its digest is the empty weights'
     assert h.hexdigest() == checksum({})
+    # A piece its thread cannot hash fails the digest, in the caller's thread, and what comes
+    # after it (more than the queue holds) never blocks the caller.
+    h = Hasher(background=True)
+    h.begin("a", torch.float32, (2,), 8)
+    h.update(memoryview(np.zeros((4, 4))[::2]))  # not contiguous: SHA-256 refuses it
+    for _ in range(40):
+        h.update(memoryview(b"x"))
+    with pytest.raises(BufferError):
+        h.hexdigest()
     big = {f"w{i}": torch.randn(1_000_000, generator=torch.Generator().manual_seed(i)) for i in range(3)}
     data, digest, b3 = export_weights(big)  # 12 MB: past the size hashed beside the copy
     assert digest == checksum(big) and b3 == transfer_digest(data)
