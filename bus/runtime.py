@@ -9,6 +9,7 @@ import contextlib
 import ctypes
 import gc
 import json
+import os
 import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from pydantic import BaseModel
 
 from jetrl.bus.client import Bus
 from jetrl.bus.identity import unless_set
-from jetrl.bus.log import configure
+from jetrl.bus.log import configure, get_logger
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -49,6 +50,31 @@ def keep_freed_memory() -> bool:
     return True
 
 
+# A part a supervisor started carries its pid: should the supervisor die without stopping it
+# (killed outright), nothing else would (its server gone, a log follower reconnects forever).
+SUPERVISOR_PID_ENV = "JETRL_SUPERVISOR_PID"
+WATCH_EVERY_S = 1.0
+ORPHAN_GRACE_S = 15.0  # as long as a supervisor waits for a part it stops before killing it
+
+
+async def _stop_when_orphaned(pid: int, stop: asyncio.Event) -> None:
+    """Once process ``pid`` (the supervisor) is gone: stop as on SIGTERM, then, should the part
+    not have ended ``ORPHAN_GRACE_S`` later, end the process at once."""
+    while True:
+        await asyncio.sleep(WATCH_EVERY_S)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        except PermissionError:
+            continue  # there, another user's: not this part's supervisor, never this process's
+    get_logger(__name__).error("supervisor_gone", supervisor_pid=pid, grace_s=ORPHAN_GRACE_S)
+    stop.set()
+    await asyncio.sleep(ORPHAN_GRACE_S)
+    get_logger(__name__).error("orphan_killed", supervisor_pid=pid)
+    os._exit(3)
+
+
 def run_process(
     main: Callable[[asyncio.Event], Awaitable[int | None]], *, log_level: str | None = None
 ) -> int:
@@ -75,7 +101,15 @@ def run_process(
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError):
                 loop.add_signal_handler(sig, on_signal)
-        return int(await main(stop) or 0)
+        supervisor = os.environ.get(SUPERVISOR_PID_ENV, "")
+        watch = None
+        if supervisor.isdigit():
+            watch = asyncio.create_task(_stop_when_orphaned(int(supervisor), stop))
+        try:
+            return int(await main(stop) or 0)
+        finally:
+            if watch is not None:
+                watch.cancel()
 
     return asyncio.run(runner())
 

@@ -28,6 +28,7 @@ from jetrl.bus import events as ev
 from jetrl.bus import ids, subjects
 from jetrl.bus.client import Bus
 from jetrl.bus.log import get_logger
+from jetrl.bus.runtime import SUPERVISOR_PID_ENV
 from jetrl.bus.server import EmbeddedServer
 from jetrl.bus.streams import ensure_tenant_view, run_usage, stream_name
 from jetrl.consumers.trainer.withholding import close_out
@@ -178,6 +179,7 @@ class Supervisor:
         logs = self.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, OMP_NUM_THREADS=str(part.threads), JETRL_LOG_JSON="1")
+        env[SUPERVISOR_PID_ENV] = str(os.getpid())  # a part outliving this process stops itself
         # A wandb-core this process may run is not the part's: a part shares none, so that a
         # killed monitor's W&B run is not left "in use" there for its successor.
         env.pop("WANDB_SERVICE", None)
