@@ -64,10 +64,8 @@ async def _stop_when_orphaned(pid: int, stop: asyncio.Event) -> None:
         await asyncio.sleep(WATCH_EVERY_S)
         try:
             os.kill(pid, 0)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):  # gone, or its pid another user's now
             break
-        except PermissionError:
-            continue  # there, another user's: not this part's supervisor, never this process's
     get_logger(__name__).error("supervisor_gone", supervisor_pid=pid, grace_s=ORPHAN_GRACE_S)
     stop.set()
     await asyncio.sleep(ORPHAN_GRACE_S)

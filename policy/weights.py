@@ -420,7 +420,8 @@ def export_weights(
     parts = {n: convert({n: tensors[n]}) if convert else {n: tensors[n]} for n in names}
     specs = [(o, t.dtype, tuple(t.shape)) for n in names for o, t in parts[n].items()]
     meta = {**(metadata or {}), **({META_LAYOUT: "hf"} if convert else {})}
-    buf, h = SafetensorsBuffer(specs, meta), Hasher.for_export(sum(t.nbytes for t in tensors.values()))
+    buf = SafetensorsBuffer(specs, meta)
+    h = Hasher.for_export(buf.buf.nbytes)
     try:
         for n in names:
             if convert is None:

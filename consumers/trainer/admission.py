@@ -221,7 +221,7 @@ def _shapes(p: int, r: ev.ScoredRollout, limits: ModelLimits, bucket: str | None
     dtype, shape = _declared(r.routing_trace, "routing_trace", bucket)
     layers, top_k, _ = limits.trace
     want = (p + c - 1, layers, top_k)  # every token fed forward: all but the last
-    if dtype not in TRACE_DTYPES or tuple(shape) != want:
+    if dtype not in TRACE_DTYPES or shape != want:
         raise _Refused(
             "bad_arrays", f"routing_trace: {dtype}{list(shape)}, expected integers of shape {list(want)}"
         )

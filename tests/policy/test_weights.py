@@ -12,6 +12,7 @@ from jetrl.policy.weights import (
     ChecksumMismatch,
     Hasher,
     SafetensorsBuffer,
+    _raw_bytes,
     canonical_order,
     checksum,
     export_weights,
@@ -196,8 +197,8 @@ def test_a_checksum_taken_in_its_own_thread_is_the_same_checksum() -> None:
     for background in (False, True):
         h = Hasher(background=background)
         for name in canonical_order(tensors):
-            t = tensors[name].contiguous()
-            raw = t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else memoryview(b"")
+            t = tensors[name]
+            raw = _raw_bytes(t)  # what Hasher.add feeds it, here in pieces of 5 bytes
             h.begin(name, t.dtype, tuple(t.shape), raw.nbytes)
             for off in range(0, raw.nbytes, 5):  # many small pieces: the queue fills and drains
                 h.update(raw[off : off + 5])

@@ -248,8 +248,8 @@ class ShardedPolicy:
             # Hashed beside the copy where what it hashes is the buffer's (not in Hugging Face
             # layout, whose checksum takes each gathered tensor: a queue of them would hold
             # that many full tensors more).
-            nbytes = sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in specs)
-            buf, h = SafetensorsBuffer(specs, meta_out), Hasher.for_export(0 if hf else nbytes)
+            buf = SafetensorsBuffer(specs, meta_out)
+            h = Hasher.for_export(0 if hf else buf.buf.nbytes)
         try:
             for name, t in self._full_tensors():
                 if buf is not None and h is not None and t is not None:
