@@ -7,6 +7,7 @@ from jetrl.policy.models import build_model
 from jetrl.policy.routing import trace_length
 from jetrl.policy.sampling import (
     SamplingConfig,
+    _left_padded,
     generate,
     inference_copy,
     resolve_precision,
@@ -62,6 +63,13 @@ def test_max_tokens_and_alignment(model, tok, cfg):
         assert g.routing is not None
         assert g.routing.shape == (trace_length(len(p), 5), cfg.num_moe_layers, cfg.top_k)
         assert g.routing.dtype == torch.uint8
+
+
+def test_prompts_are_right_aligned_after_their_padding():
+    tokens, valid = _left_padded([[5], [7, 8, 9], [3, 4]], [1, 3, 2], pad_id=0)
+    assert tokens.tolist() == [[0, 0, 5], [7, 8, 9], [0, 3, 4]]
+    assert valid.tolist() == [[False, False, True], [True, True, True], [False, True, True]]
+    assert tokens.dtype == torch.long and valid.dtype == torch.bool
 
 
 def test_stop_tokens_end_each_row_independently(model, tok):
