@@ -66,10 +66,11 @@ async def _stop_when_orphaned(pid: int, stop: asyncio.Event) -> None:
             os.kill(pid, 0)
         except (ProcessLookupError, PermissionError):  # gone, or its pid another user's now
             break
-    get_logger(__name__).error("supervisor_gone", supervisor_pid=pid, grace_s=ORPHAN_GRACE_S)
+    log = get_logger(__name__, supervisor_pid=pid)
+    log.error("supervisor_gone", grace_s=ORPHAN_GRACE_S)
     stop.set()
     await asyncio.sleep(ORPHAN_GRACE_S)
-    get_logger(__name__).error("orphan_killed", supervisor_pid=pid)
+    log.error("orphan_killed")
     os._exit(3)
 
 
