@@ -14,11 +14,14 @@ import pytest
 from jetrl.bus.client import Bus
 from jetrl.bus.server import EmbeddedServer
 from jetrl.bus.streams import StreamLimits
+from tests.support.checkpoints import warm_tiny_moe
+from tests.support.processes import mark_own_processes
 
 # Small reservations: many runs share the session's server.
 TEST_LIMITS = StreamLimits(max_bytes=256 * 1024**2, payload_max_bytes=1024**3)
 POSTGRES_ENV = "JETRL_TEST_POSTGRES_URL"
-# Modules that start vLLM servers: each checks that no vLLM process but its own is alive.
+# Modules that start vLLM servers: one worker runs them in turn, so that two servers never
+# compete for the core vLLM's CPU build binds its threads to (the last one).
 VLLM_MODULES = ("test_vllm_engine.py", "test_run_vllm.py", "test_run_smollm2.py")
 
 
@@ -40,6 +43,10 @@ MODULE_SECONDS = {
     "test_run_e2e.py": 40,
     "test_vllm_engine.py": 35,
 }
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    mark_own_processes()  # what a test starts is told from what another pytest process starts
 
 
 def _scope(module: str) -> str:
@@ -80,6 +87,12 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedSe
     srv.start()
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="session")
+def warm_moe_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny MoE checkpoint warm-started 150 steps, shared read-only by the tests that serve it."""
+    return warm_tiny_moe(tmp_path_factory.getbasetemp())
 
 
 @pytest.fixture
