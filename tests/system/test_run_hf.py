@@ -22,7 +22,6 @@ from jetrl.bus.server import EmbeddedServer
 from jetrl.deploy.config import load_config
 from jetrl.deploy.export_cmd import export
 from jetrl.deploy.supervisor import Supervisor
-from jetrl.deploy.tiny_hf_cmd import make_checkpoint, warm_start
 from jetrl.policy.hf_tokenizer import HFTokenizer
 from jetrl.policy.origin import initial_model
 from jetrl.policy.settings import ModelSettings
@@ -35,9 +34,10 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4
 
 
-async def test_hf_tiny_run_multi_turn_with_the_tool(nats_server: EmbeddedServer, tmp_path: Path) -> None:
-    ckpt = make_checkpoint(tmp_path / "ckpt", "moe", seed=0)
-    warm_start(ckpt, 150, seed=0)
+async def test_hf_tiny_run_multi_turn_with_the_tool(
+    nats_server: EmbeddedServer, warm_moe_ckpt: Path, tmp_path: Path
+) -> None:
+    ckpt = warm_moe_ckpt
     tok = HFTokenizer(ckpt)
     cfg = load_config(
         ROOT / "configs" / "hf-tiny.toml",

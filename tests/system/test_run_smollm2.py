@@ -43,8 +43,13 @@ from tests.support.forwards import logprob_gap
 from tests.support.processes import vllm_processes
 from tests.support.runlog import bodies, read_log, samples
 from tests.support.smollm2 import smollm2_dir
+from tests.support.supervised import supervised
 
-pytestmark = pytest.mark.slow
+# The module's run is made in the first test's set-up: 100 s on a 2-core Xeon, 210 s on a
+# 2-core AMD EPYC. RUN_BOUND_S is the bound meant to fire: it stops the run and its vLLM
+# server before the test fails.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+RUN_BOUND_S = 600
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
@@ -108,7 +113,8 @@ async def smol(nats_server: EmbeddedServer, ckpt: Path, tmp_path_factory: pytest
     run_dir = tmp / run_id
     assert not vllm_processes(), "vLLM processes left from before"
     sup = Supervisor(cfg, run_id, run_dir, nats_url=nats_server.url, quiet=True)
-    assert await sup.run() == 0
+    async with supervised(sup) as run, asyncio.timeout(RUN_BOUND_S):
+        assert await run == 0
     assert not vllm_processes(), "vLLM processes outlived the run"
     log = await read_log(nats_server.url, run_id)
     out = tmp / "export"
