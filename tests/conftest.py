@@ -16,6 +16,7 @@ from jetrl.bus.server import EmbeddedServer
 from jetrl.bus.streams import StreamLimits
 from tests.support.checkpoints import warm_tiny_moe
 from tests.support.processes import mark_own_processes
+from tests.support.supervised import runs_end_with_the_test
 
 # Small reservations: many runs share the session's server.
 TEST_LIMITS = StreamLimits(max_bytes=256 * 1024**2, payload_max_bytes=1024**3)
@@ -87,6 +88,12 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedSe
     srv.start()
     yield srv
     srv.stop()
+
+
+@pytest.fixture(autouse=True)
+def _runs_end_with_their_test(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    with runs_end_with_the_test(monkeypatch):
+        yield
 
 
 @pytest.fixture(scope="session")
