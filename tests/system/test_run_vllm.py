@@ -27,9 +27,10 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.fault,
     pytest.mark.skipif(not vllm_available(), reason="no vLLM environment (make vllm-venv)"),
-    # Two vLLM servers start one after the other: 110 s alone on a 2-core Xeon, 280 s in the
-    # suite on a 2-core AMD EPYC. The run's own bound below is the one meant to fire: it
-    # cancels the run, which takes its parts and servers down before the test fails.
+    # Two vLLM servers start one after the other: 63 s alone and 76-80 s in the suite on a
+    # 2-core Xeon, 280 s in the suite on a 2-core AMD EPYC (its checkpoint then made here).
+    # The run's own bound below is the one meant to fire: it cancels the run, which takes its
+    # parts and servers down before the test fails.
     pytest.mark.timeout(900),
 ]
 
