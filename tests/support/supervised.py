@@ -16,7 +16,8 @@ from jetrl.deploy.supervisor import Supervisor
 async def supervised(sup: Supervisor) -> AsyncIterator[asyncio.Task[int]]:
     """The run as a task: whatever the test meets (a failed assert, a bound of its own), the
     run is cancelled on the way out, which stops its parts (a vLLM server with its worker)
-    and closes its log, and any part still alive is then stopped."""
+    and closes its log, rather than left pending in the session's event loop. A part its
+    clean-up did not reach is stopped by :func:`runs_end_with_the_test`."""
     run = asyncio.create_task(sup.run())
     try:
         yield run
@@ -24,8 +25,7 @@ async def supervised(sup: Supervisor) -> AsyncIterator[asyncio.Task[int]]:
         if not run.done():
             run.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await asyncio.wait_for(run, 120)  # its own clean-up: parts stopped, log closed
-        sup.stop_parts()  # a part the cancelled run did not reach
+                await asyncio.wait_for(run, 120)
 
 
 @contextlib.contextmanager

@@ -46,8 +46,8 @@ from tests.support.smollm2 import smollm2_dir
 from tests.support.supervised import supervised
 
 # The module's run is made in the first test's set-up: 75-79 s in the suite on a 2-core
-# Xeon, 206 s on a 2-core AMD EPYC. RUN_BOUND_S is the bound meant to fire: it stops the run and its vLLM
-# server before the test fails.
+# Xeon, 206 s on a 2-core AMD EPYC. RUN_BOUND_S is the bound meant to fire: it stops the run
+# and its vLLM server before the test fails.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 RUN_BOUND_S = 600
 

@@ -64,15 +64,14 @@ async def test_vllm_run_survives_its_worker_killed(warm_moe_ckpt: Path, tmp_path
     )
     run_id = "vllm1"
     sup = Supervisor(cfg, run_id, tmp_path / run_id, quiet=True)
-    async with supervised(sup) as run:
-        async with asyncio.timeout(RUN_BOUND_S):
-            while len(sup.progress.steps) < 2 and not run.done():
-                await asyncio.sleep(0.1)
-            worker = next(p for p in sup.parts if p.name == "inference-0")
-            assert worker.proc is not None and worker.proc.poll() is None
-            assert vllm_processes(), "the worker runs no vLLM server"
-            worker.proc.send_signal(signal.SIGKILL)
-            assert await run == 0
+    async with supervised(sup) as run, asyncio.timeout(RUN_BOUND_S):
+        while len(sup.progress.steps) < 2 and not run.done():
+            await asyncio.sleep(0.1)
+        worker = next(p for p in sup.parts if p.name == "inference-0")
+        assert worker.proc is not None and worker.proc.poll() is None
+        assert vllm_processes(), "the worker runs no vLLM server"
+        worker.proc.send_signal(signal.SIGKILL)
+        assert await run == 0
     assert worker.restarts == 1
     for _ in range(100):  # the reaper takes the server's whole process group down
         if not vllm_processes():
