@@ -78,6 +78,18 @@ class VLLMError(RuntimeError):
     pass
 
 
+def start_reaped(
+    cmd: Sequence[str], env: dict[str, str] | None = None, out: Any = None
+) -> subprocess.Popen[bytes]:
+    """``cmd`` under the reaper. The reaper gets a session of its own: a part that does not stop
+    in time is SIGKILLed with its whole process group, and a reaper in that group would die
+    with it, leaving the server's group (its own session) running with no one to take it down;
+    outside it, the reaper sees its parent die and takes the server's group down."""
+    return subprocess.Popen(
+        [cmd[0], str(REAPER), *cmd], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
 def vllm_python(s: VLLMSettings) -> Path:
     """The Python that runs vLLM: the setting, $JETRL_VLLM_PYTHON, or .venv-vllm next to the
     working directory or the repository."""
@@ -243,9 +255,7 @@ class VLLMEngine:
         cmd = server_command(part, self.port, seed, capture=self.capture)
         self.log.info("vllm_starting", cmd=" ".join(cmd), log=str(self.log_path))
         self._log_file = self.log_path.open("wb")
-        self.proc = subprocess.Popen(
-            [cmd[0], str(REAPER), *cmd], env=env, stdout=self._log_file, stderr=subprocess.STDOUT
-        )
+        self.proc = start_reaped(cmd, env, self._log_file)
         self._session: aiohttp.ClientSession | None = None
         self._starting = asyncio.Lock()
         self._ready = False

@@ -1,0 +1,58 @@
+"""The reaper every vLLM server runs under (consumers/inference/vllm_ext/jetrl_vllm_reaper.py),
+on a plain command standing for the server and its engine processes: a part that does not
+stop in time is SIGKILLed with its whole process group (deploy/supervisor.py), and the
+server's group must go with it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# The "server": a child of its own (vLLM's engine core), both pids on stdout, then it waits.
+SERVER = (
+    "import os, subprocess, sys, time; "
+    "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+    "print(os.getpid(), c.pid, flush=True); time.sleep(600)"
+)
+# The "inference worker": starts the server as vllm_engine does, then waits.
+PART = (
+    "import sys, time; "
+    "from jetrl.consumers.inference.vllm_engine import start_reaped; "
+    f"start_reaped([sys.executable, '-c', {SERVER!r}]); time.sleep(600)"
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][:1]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def test_the_server_goes_with_a_part_killed_as_a_group() -> None:
+    part = subprocess.Popen(
+        [sys.executable, "-c", PART], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    pids: list[int] = []
+    try:
+        assert part.stdout is not None
+        pids = [int(x) for x in part.stdout.readline().split()]
+        assert len(pids) == 2 and all(_alive(p) for p in pids), pids
+        os.killpg(part.pid, signal.SIGKILL)
+        part.wait()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.1)
+        assert not [p for p in pids if _alive(p)], "the server outlived its part"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(part.pid, signal.SIGKILL)
+        for p in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
