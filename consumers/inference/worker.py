@@ -42,6 +42,7 @@ from jetrl.bus import ids, subjects
 from jetrl.bus.client import Bus
 from jetrl.bus.consumer import ConsumerSpec, Delivery, keep_alive
 from jetrl.bus.fair import FairPuller, FairQueue, num_pending
+from jetrl.bus.identity import cancel_and_wait
 from jetrl.bus.log import get_logger
 from jetrl.bus.payloads import PayloadError, Payloads, inline_array, token_list_ref
 from jetrl.consumers.inference.admission import DEFAULT_TENANT, Admission, Refusal, limits_for
@@ -453,7 +454,8 @@ class InferenceWorker:
             while not stop.is_set():
                 if self.new_weights.is_set():
                     self.new_weights.clear()
-                    await self.load_latest()
+                    if not await unless_stopped(self.load_latest(), stop):
+                        break
                 if len(in_flight) >= self.batches_in_flight:
                     # Take tasks only for a free slot: ones taken wait unkept otherwise.
                     await asyncio.wait(in_flight, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
@@ -481,3 +483,22 @@ class InferenceWorker:
             served = {q.name: q.served for q in queues}
             refused = {f"{t}/{r}": n for (t, r), n in self.refused.items()}
             self.log.info("inference_worker_stopped", served_samples=served, refused_by=refused, **self.stats)
+
+
+async def unless_stopped(work: Coroutine[Any, Any, None], stop: asyncio.Event) -> bool:
+    """Run ``work`` to its end, or cancel it once ``stop`` is set: a first load waits for the
+    engine's server to start (vLLM's: tens of seconds), and a worker told to stop meanwhile
+    must stop, not be killed by its supervisor 15 s later. True when ``work`` ran to its end
+    (its error, if any, raised)."""
+    task = asyncio.ensure_future(work)
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+        if not task.done():
+            await cancel_and_wait(task)
+    if task.cancelled():
+        return False
+    task.result()
+    return True

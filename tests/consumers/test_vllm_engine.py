@@ -4,6 +4,7 @@ the same files (fp32): sampled-token logprobs, stops, and live weight updates.""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -13,10 +14,12 @@ import torch
 
 from jetrl.bus import events as ev
 from jetrl.bus.client import Bus
+from jetrl.bus.identity import cancel_and_wait
 from jetrl.bus.payloads import FilePayloads, PayloadIntegrityError, Payloads
 from jetrl.consumers.inference.engine import GroupRequest, Sample
 from jetrl.consumers.inference.settings import InferencePart, InferenceSettings, VLLMSettings
 from jetrl.consumers.inference.vllm_engine import VLLMEngine, vllm_available
+from jetrl.consumers.inference.worker import InferenceWorker
 from jetrl.deploy.tiny_hf_cmd import make_checkpoint
 from jetrl.policy.hf import read_config
 from jetrl.policy.hf_tokenizer import HFTokenizer
@@ -40,17 +43,20 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("vllm") / "moe", "moe", seed=5)
 
 
-@pytest.fixture(scope="module")
-async def engine(ckpt: Path) -> AsyncIterator[VLLMEngine]:
+def _part(ckpt: Path) -> InferencePart:
     settings = VLLMSettings(
         gpu_memory_utilization=0.08, max_model_len=512, enforce_eager=True, max_num_seqs=32
     )
-    part = InferencePart(
+    return InferencePart(
         inference=InferenceSettings(engine="vllm", precision="fp32", vllm=settings),
         model=ModelSettings(hf_path=str(ckpt)),
     )
+
+
+@pytest.fixture(scope="module")
+async def engine(ckpt: Path) -> AsyncIterator[VLLMEngine]:
     assert not vllm_processes(), "vLLM processes left from before"
-    e = VLLMEngine(part, "test-worker")
+    e = VLLMEngine(_part(ckpt), "test-worker")
     yield e
     await e.close()
     assert e.proc.returncode is not None
@@ -182,3 +188,33 @@ async def test_weights_update_in_place_and_match_the_new_version(
         await engine.load_weights(msgspec.structs.replace(ready, weights_checksum="1" * 64), payloads)
     assert engine.loaded_version == 4
     assert set(engine.shm_dir.glob("jetrl-weights-*")) == shm_before  # nothing left in memory
+
+
+async def test_a_worker_stopped_while_its_server_starts_stops_there_and_takes_the_server_down(
+    ckpt: Path, bus: Bus, run_id: str
+) -> None:
+    """A stop that comes while the worker's first load waits for its vLLM server to start ends
+    that wait (it used to last until the server was up, and the supervisor killed the worker,
+    and with it the server's reaper, 15 s after asking it to stop)."""
+    payloads = await Payloads.for_run(bus.js, run_id)
+    data, digest = weights_to_bytes(initial_model(ModelSettings(hf_path=str(ckpt))), {"version": "0"})
+    ref = await payloads.default.put("weights-v0", data)
+    ready = ev.WeightsReady(version=0, location=ref, weights_checksum=digest)
+    await bus.publish(ev.new_event(ready, run_id=run_id))
+    worker = InferenceWorker(bus, run_id, "stopped-worker", _part(ckpt))
+    engine = worker.engine
+    assert isinstance(engine, VLLMEngine)
+    stop = asyncio.Event()
+    running = asyncio.create_task(worker.run(stop))
+    try:
+        async with asyncio.timeout(120):
+            while engine._session is None:  # the load has read the weights: it waits for the server
+                await asyncio.sleep(0.05)
+            assert not engine._ready
+            stop.set()
+            await running
+    finally:
+        await cancel_and_wait(running)
+        await engine.close()
+    assert not engine._ready and worker.loaded_version is None  # stopped before the server was up
+    assert engine.proc.returncode is not None  # the server's reaper went with the worker
