@@ -10,7 +10,15 @@ batch's arrays; ``trainer_wait_s``, waiting for a batch of fresh groups; and the
 wall time, which no metric times: the step's events and weights going out while the groups
 that came meanwhile are admitted) follows. Extra config overrides may be given after ``--``.
 
-    python bench/step_time.py [--steps 200] [--from-step 20] [-- --inference.workers 1]
+The baseline, measured in the same run (unless ``--no-loop``): the same steps of the demo in
+one process with no bus (bench/overhead.py's loop: generate, score, train, synchronous, with
+the same torch threads as there), its wall and CPU a step. Against it: jetrl's step, and
+jetrl's floor, its CPU a step spread evenly over the cores: the fastest step these parts could
+take on this machine however they were scheduled. A floor above the loop's step means the
+pipeline must spend less, not only overlap more, to beat the loop; the trainer's CPU a step
+above it, that the trainer's own process must.
+
+    python bench/step_time.py [--steps 200] [--from-step 20] [--no-loop] [-- --inference.workers 1]
 """
 
 from __future__ import annotations
@@ -21,9 +29,12 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
+
+from overhead import one_process
 
 from jetrl.bus.log import configure
-from jetrl.deploy.config import load_config
+from jetrl.deploy.config import RunConfig, load_config
 from jetrl.deploy.supervisor import Supervisor
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,6 +84,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--from-step", type=int, default=20)
     ap.add_argument("--recorder", action="store_true")
+    ap.add_argument("--no-loop", dest="loop", action="store_false", help="skip the one-process baseline")
     ap.add_argument("over", nargs="*", help="config overrides, after --")
     args = ap.parse_args()
     configure("warning")
@@ -104,10 +116,56 @@ def main() -> None:
             f"waiting for rollouts {wait_s * 1e3:.1f} ms, "
             f"publishing and admitting {rest_s * 1e3:.1f} ms a step"
         )
+    loop = None
+    if args.loop:
+        with tempfile.TemporaryDirectory() as tmp:
+            loop = loop_step(cfg, Path(tmp), args.from_step, min(2, cores))
+        if loop is not None:
+            print(
+                f"the one-process loop, steps {args.from_step}..{args.steps} ({loop.threads} torch threads): "
+                f"{loop.wall_s * 1e3:.1f} ms a step, {loop.cpu_s * 1e3:.1f} ms CPU a step"
+            )
     print()
     print(
         f"step time {wall / n * 1e3:.1f} ms, CPU {total / n * 1e3:.1f} ms a step ({share:.0%} of the cores)"
     )
+    if loop is not None:
+        floor = total / n / cores
+        print(f"step time jetrl/one-process {wall / n / loop.wall_s:.2f}x (target <= 1.0x)")
+        print(
+            f"floor jetrl/one-process {floor / loop.wall_s:.2f}x (jetrl's CPU a step over {cores} cores, "
+            f"{floor * 1e3:.1f} ms: the least a step could take; above 1.0x no scheduling meets the target)"
+        )
+        if "trainer" in used:
+            trainer = used["trainer"] / n / loop.wall_s
+            print(
+                f"trainer jetrl/one-process {trainer:.2f}x (the trainer's CPU a step, "
+                "on its one core, against the loop's whole step)"
+            )
+    elif args.loop:
+        print("step time jetrl/one-process: the loop took too few steps to time")
+
+
+class LoopStep(NamedTuple):
+    wall_s: float  # a step, from step ``from_step`` to the last
+    cpu_s: float  # this process's CPU a step over the same steps (every thread)
+    threads: int
+
+
+def loop_step(cfg: RunConfig, root: Path, from_step: int, threads: int) -> LoopStep | None:
+    """The one-process loop's wall and CPU a step over the same steps as the run (its
+    ``max_steps``; the reward target is off in ``cfg``). None with too few steps to time."""
+    marks: list[tuple[float, float]] = []
+
+    def on_step(rewards: object, metrics: object) -> None:
+        marks.append((time.monotonic(), time.process_time()))
+
+    one_process(cfg, root, threads, on_step=on_step)
+    timed = marks[from_step - 1 :] if from_step >= 1 else marks
+    if len(timed) < 2:
+        return None
+    n = len(timed) - 1
+    return LoopStep((timed[-1][0] - timed[0][0]) / n, (timed[-1][1] - timed[0][1]) / n, threads)
 
 
 if __name__ == "__main__":
