@@ -1,6 +1,7 @@
 """The vLLM engine against real vLLM (its CPU build, in .venv-vllm): a server started by the
 engine on a tiny Hugging Face checkpoint made on the spot, checked against jetrl's own model on
-the same files (fp32): sampled-token logprobs, stops, and live weight updates."""
+the same files (fp32): sampled-token logprobs, stops, and live weight updates; and a worker
+stopped while its server starts."""
 
 from __future__ import annotations
 
@@ -194,8 +195,8 @@ async def test_a_worker_stopped_while_its_server_starts_stops_there_and_takes_th
     ckpt: Path, bus: Bus, run_id: str
 ) -> None:
     """A stop that comes while the worker's first load waits for its vLLM server to start ends
-    that wait (it used to last until the server was up, and the supervisor killed the worker,
-    and with it the server's reaper, 15 s after asking it to stop)."""
+    that wait (it used to last until the server was up: a supervisor stopping the run killed
+    the worker 15 s after asking)."""
     payloads = await Payloads.for_run(bus.js, run_id)
     data, digest = weights_to_bytes(initial_model(ModelSettings(hf_path=str(ckpt))), {"version": "0"})
     ref = await payloads.default.put("weights-v0", data)
