@@ -93,6 +93,7 @@ def main() -> None:
     cfg = load_config(ROOT / "configs" / "demo.toml", over)
     cores = os.cpu_count() or 1
     with tempfile.TemporaryDirectory() as tmp:
+        print(f"running the demo for {args.steps} steps (jetrl run, each part a process)...", flush=True)
         sup = Supervisor(cfg, "steptime", Path(tmp) / "steptime", quiet=True)
         used, wall, s0, s1 = asyncio.run(run(sup, args.from_step))
         metrics = sup.progress.steps[s0:s1]
@@ -119,6 +120,7 @@ def main() -> None:
     loop = None
     if args.loop:
         with tempfile.TemporaryDirectory() as tmp:
+            print(f"running the same {args.steps} steps in one process (the baseline)...", flush=True)
             loop = loop_step(cfg, Path(tmp), args.from_step, min(2, cores))
         if loop is not None:
             print(
