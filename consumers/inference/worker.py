@@ -42,7 +42,7 @@ from jetrl.bus import ids, subjects
 from jetrl.bus.client import Bus
 from jetrl.bus.consumer import ConsumerSpec, Delivery, keep_alive
 from jetrl.bus.fair import FairPuller, FairQueue, num_pending
-from jetrl.bus.identity import cancel_and_wait
+from jetrl.bus.identity import unless_set
 from jetrl.bus.log import get_logger
 from jetrl.bus.payloads import PayloadError, Payloads, inline_array, token_list_ref
 from jetrl.consumers.inference.admission import DEFAULT_TENANT, Admission, Refusal, limits_for
@@ -454,7 +454,10 @@ class InferenceWorker:
             while not stop.is_set():
                 if self.new_weights.is_set():
                     self.new_weights.clear()
-                    if not await unless_stopped(self.load_latest(), stop):
+                    # A first load waits for the engine's server to start (vLLM's: tens of
+                    # seconds): a stop meanwhile ends it, not the supervisor's kill 15 s later.
+                    await unless_set(stop, self.load_latest())
+                    if stop.is_set():
                         break
                 if len(in_flight) >= self.batches_in_flight:
                     # Take tasks only for a free slot: ones taken wait unkept otherwise.
@@ -483,22 +486,3 @@ class InferenceWorker:
             served = {q.name: q.served for q in queues}
             refused = {f"{t}/{r}": n for (t, r), n in self.refused.items()}
             self.log.info("inference_worker_stopped", served_samples=served, refused_by=refused, **self.stats)
-
-
-async def unless_stopped(work: Coroutine[Any, Any, None], stop: asyncio.Event) -> bool:
-    """Run ``work`` to its end, or cancel it once ``stop`` is set: a first load waits for the
-    engine's server to start (vLLM's: tens of seconds), and a worker told to stop meanwhile
-    must stop, not be killed by its supervisor 15 s later. True when ``work`` ran to its end
-    (its error, if any, raised)."""
-    task = asyncio.ensure_future(work)
-    stopping = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopping.cancel()
-        if not task.done():
-            await cancel_and_wait(task)
-    if task.cancelled():
-        return False
-    task.result()
-    return True
