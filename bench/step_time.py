@@ -118,13 +118,14 @@ def main() -> None:
             f"publishing and admitting {rest_s * 1e3:.1f} ms a step"
         )
     loop = None
+    threads = min(2, cores)  # as bench/overhead.py's loop
     if args.loop:
         with tempfile.TemporaryDirectory() as tmp:
             print(f"running the same {args.steps} steps in one process (the baseline)...", flush=True)
-            loop = loop_step(cfg, Path(tmp), args.from_step, min(2, cores))
+            loop = loop_step(cfg, Path(tmp), args.from_step, threads)
         if loop is not None:
             print(
-                f"the one-process loop, steps {args.from_step}..{args.steps} ({loop.threads} torch threads): "
+                f"the one-process loop, steps {args.from_step}..{args.steps} ({threads} torch threads): "
                 f"{loop.wall_s * 1e3:.1f} ms a step, {loop.cpu_s * 1e3:.1f} ms CPU a step"
             )
     print()
@@ -151,7 +152,6 @@ def main() -> None:
 class LoopStep(NamedTuple):
     wall_s: float  # a step, from step ``from_step`` to the last
     cpu_s: float  # this process's CPU a step over the same steps (every thread)
-    threads: int
 
 
 def loop_step(cfg: RunConfig, root: Path, from_step: int, threads: int) -> LoopStep | None:
@@ -167,7 +167,7 @@ def loop_step(cfg: RunConfig, root: Path, from_step: int, threads: int) -> LoopS
     if len(timed) < 2:
         return None
     n = len(timed) - 1
-    return LoopStep((timed[-1][0] - timed[0][0]) / n, (timed[-1][1] - timed[0][1]) / n, threads)
+    return LoopStep((timed[-1][0] - timed[0][0]) / n, (timed[-1][1] - timed[0][1]) / n)
 
 
 if __name__ == "__main__":
