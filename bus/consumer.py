@@ -187,14 +187,18 @@ class PullConsumer(Generic[B]):
         """Fetch up to ``batch`` events; see :meth:`fetch_batch`."""
         return (await self.fetch_batch(batch, timeout)).deliveries
 
-    async def fetch_batch(self, batch: int = 64, timeout: float = 1.0, *, wait: bool = True) -> Batch[B]:
+    async def fetch_batch(
+        self, batch: int = 64, timeout: float = 1.0, *, wait: bool = True, stop: asyncio.Event | None = None
+    ) -> Batch[B]:
         """Fetch up to ``batch`` events. Poison messages (undecodable, spoofed, of another body
         type, delivered too often) are dead-lettered and acked here and never delivered. Empty
-        on timeout and while the connection is down (the caller just loops). ``wait`` False:
-        only what the server already has, never waiting for the first event."""
+        on timeout, once ``stop`` is set while it waits for the first event, and while the
+        connection is down (the caller just loops). ``wait`` False: only what the server
+        already has, never waiting for the first event."""
         out: Batch[B] = Batch([])
         try:
-            msgs = await (self._pull(batch, timeout) if wait else self.channel.fetch_ready(batch))
+            ch = self.channel
+            msgs = await (ch.fetch(batch, timeout, stop) if wait else ch.fetch_ready(batch))
         except RETRYABLE as exc:
             self.log.warning("fetch_retry", error=repr(exc))
             await asyncio.sleep(0.2)
@@ -204,11 +208,6 @@ class PullConsumer(Generic[B]):
             if d is not None:
                 out.deliveries.append(d)
         return out
-
-    async def _pull(self, batch: int, timeout: float) -> list[Msg]:
-        """Wait up to ``timeout`` for the first message, then take what the server already has
-        (bus/pull.py says how, and why not nats-py's fetch)."""
-        return await self.channel.fetch(batch, timeout)
 
     async def _admit(self, msg: Msg, dead_lettered: list[int]) -> Delivery[B] | None:
         seq, n = _ack_position(msg)
@@ -318,10 +317,10 @@ class PullConsumer(Generic[B]):
         pending: asyncio.Task[Batch[B]] | None = None
         try:
             while not stop.is_set():
-                got = await (pending or self.fetch_batch(batch, fetch_timeout))
+                got = await (pending or self.fetch_batch(batch, fetch_timeout, stop=stop))
                 pending = None
                 if got and prefetch and not stop.is_set():
-                    pending = asyncio.create_task(self.fetch_batch(batch, fetch_timeout))
+                    pending = asyncio.create_task(self.fetch_batch(batch, fetch_timeout, stop=stop))
                 if got:
                     try:
                         await handler(got)
@@ -339,6 +338,8 @@ class PullConsumer(Generic[B]):
                 pending.cancel()
                 with contextlib.suppress(BaseException):
                     await pending
+            if stop.is_set():  # a fetch that a stop ended may still have been answered
+                await self.channel.hand_back()
 
     async def run(
         self,

@@ -32,7 +32,6 @@ from typing import Generic
 
 from jetrl.bus.consumer import B, Delivery, PullConsumer
 from jetrl.bus.log import get_logger
-from jetrl.bus.pull import status_of
 
 log = get_logger(__name__)
 
@@ -117,12 +116,7 @@ class FairPuller(Generic[B]):
             while q.buffer:
                 with contextlib.suppress(Exception):
                     await q.buffer.popleft().nak()
-            inbox = q.consumer.channel.queue
-            while not inbox.empty():
-                msg = inbox.get_nowait()
-                if status_of(msg) is None:
-                    with contextlib.suppress(Exception):
-                        await msg.nak()
+            await q.consumer.channel.hand_back()
 
     # ---------------------------------------------------------------- filling
 

@@ -23,6 +23,7 @@ inbox stays queued until a fetch takes it, whichever request it answered.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -61,13 +62,23 @@ class PullChannel:
         if self.sub is not None:
             await self.sub.unsubscribe()
             self.sub = None
+        await self.hand_back()
 
-    async def fetch(self, batch: int, timeout: float) -> list[Msg]:
-        """Up to ``batch`` messages: waits up to ``timeout`` for the first one, never for more
-        than the server already has."""
+    async def hand_back(self) -> None:
+        """NAK what came here and no fetch took (a fetch given up when its caller stopped),
+        so that it is delivered again at once rather than after the ack wait."""
+        while not self.queue.empty():
+            msg = self.queue.get_nowait()
+            if status_of(msg) is None:
+                with contextlib.suppress(Exception):
+                    await msg.nak()
+
+    async def fetch(self, batch: int, timeout: float, stop: asyncio.Event | None = None) -> list[Msg]:
+        """Up to ``batch`` messages: waits up to ``timeout`` for the first one (no longer once
+        ``stop`` is set), never for more than the server already has."""
         out = self._queued(batch)
         if not out:
-            first = await self._linger_for_one(timeout)
+            first = await self._linger_for_one(timeout, stop)
             if first is None:
                 return []
             out = [first]
@@ -93,7 +104,7 @@ class PullChannel:
     async def _request(self, req: dict[str, int | bool]) -> None:
         await self.nc.publish(self.next_subject, json.dumps(req).encode(), reply=self.inbox)
 
-    async def _linger_for_one(self, timeout: float) -> Msg | None:
+    async def _linger_for_one(self, timeout: float, stop: asyncio.Event | None) -> Msg | None:
         req: dict[str, int | bool] = {"batch": 1, "expires": int(timeout * 1e9)}
         quiet = timeout + 1.0  # the server ends the request with a 408 at expiry
         if timeout >= 2.0:
@@ -104,15 +115,36 @@ class PullChannel:
         deadline = time.monotonic() + timeout + 1.0
         while (left := deadline - time.monotonic()) > 0:
             try:
-                msg = await asyncio.wait_for(self.queue.get(), min(left, quiet))
+                msg = await self._next(min(left, quiet), stop)
             except TimeoutError:
                 return None
+            if msg is None:
+                return None  # stopped: what the request still brings is handed back at the end
             status = status_of(msg)
             if status is None:
                 return msg
             if status != HEARTBEAT:
                 return None  # expired (408), no messages (404), or refused (409)
         return None
+
+    async def _next(self, wait: float, stop: asyncio.Event | None) -> Msg | None:
+        """The next message of the inbox within ``wait`` seconds (TimeoutError past it), or None
+        once ``stop`` is set without one: a part told to stop does not wait out a fetch."""
+        if stop is None:
+            return await asyncio.wait_for(self.queue.get(), wait)
+        got = asyncio.ensure_future(self.queue.get())
+        stopped = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait((got, stopped), timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            if not got.done():
+                got.cancel()  # a queue's get cancelled before it took a message takes none
+        if got.done() and not got.cancelled():
+            return got.result()
+        if stop.is_set():
+            return None
+        raise TimeoutError
 
     async def _what_is_there(self, n: int, patience: float) -> list[Msg]:
         await self._request({"batch": n, "no_wait": True, "max_bytes": self.max_bytes})

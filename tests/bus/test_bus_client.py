@@ -263,6 +263,39 @@ async def test_a_fetch_that_does_not_wait_takes_only_what_the_server_has(bus: Bu
     assert (await c.fetch_batch(64, wait=False)).deliveries == []
 
 
+async def test_a_stop_ends_a_consumer_loop_waiting_for_events_and_what_it_was_brought_goes_back(
+    bus: Bus, run_id: str
+) -> None:
+    spec = ConsumerSpec(
+        run_id=run_id, durable="stopped", filter_subjects=[subjects.step_subject(run_id)], ack_wait=300.0
+    )
+    c = await bus.consumer(spec)
+    handled: list[Delivery[ev.EventBody]] = []
+
+    async def handle(batch: Batch[ev.EventBody]) -> None:
+        handled.extend(batch.deliveries)
+
+    stop = asyncio.Event()
+    loop = asyncio.create_task(c.run_batches(handle, fetch_timeout=300.0, stop=stop))
+    await asyncio.sleep(0.5)  # its fetch is waiting for a first event
+    stop.set()
+    # The stop ends the loop, not the fetch's 300 s.
+    await asyncio.wait_for(loop, 60)
+    # The request the stopped fetch left open still brings an event here: handed back when the
+    # consumer is let go, another consumer of the durable has it at once, not after the ack wait.
+    e = ev.new_event(ev.StepCompleted(step=7, policy_version=7, rollout_ids=[]), run_id=run_id)
+    await bus.publish(e)
+    for _ in range(100):
+        if not c.channel.queue.empty():
+            break
+        await asyncio.sleep(0.05)
+    assert not c.channel.queue.empty()
+    await c.unsubscribe()
+    other = await bus.consumer(spec)
+    got = await other.fetch(1, timeout=60.0)
+    assert [d.event.event_id for d in got] == [e.event_id] and handled == []
+
+
 async def test_tail_from_any_point(bus: Bus, run_id: str) -> None:
     for i in range(10):
         await bus.publish(
