@@ -41,6 +41,7 @@ from jetrl.bus import events as ev
 from jetrl.bus import ids, subjects
 from jetrl.bus.client import Bus, TailItem
 from jetrl.bus.consumer import ConsumerSpec, Delivery, Reject
+from jetrl.bus.identity import unless_set
 from jetrl.bus.log import get_logger
 from jetrl.bus.payloads import NoPayloadStore, ObjectStorePayloads, PayloadError, Payloads, log_array
 from jetrl.bus.publisher import Publisher
@@ -211,8 +212,8 @@ class EnvProducer:
                 self.submitted += 1
             await pub.flush()
             self.changed.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.changed.wait(), timeout=1.0)
+            with contextlib.suppress(asyncio.TimeoutError):  # a stop ends the wait, too
+                await unless_set(stop, asyncio.wait_for(self.changed.wait(), timeout=1.0))
 
     async def hand_out(
         self,

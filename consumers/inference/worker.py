@@ -463,7 +463,7 @@ class InferenceWorker:
                     # Take tasks only for a free slot: ones taken wait unkept otherwise.
                     await asyncio.wait(in_flight, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
                     continue
-                got = await puller.next_batch(self.s.max_batch_tasks, timeout=0.5)
+                got = await unless_set(stop, puller.next_batch(self.s.max_batch_tasks, timeout=0.5))
                 if not got:
                     continue
                 if self.batches_in_flight == 1:
