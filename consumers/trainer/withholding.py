@@ -67,7 +67,7 @@ def withheld_event(
     )
 
 
-async def close_out(bus: Bus, run_id: str, settings: TrainerSettings, *, idle_s: float = 1.0) -> int:
+async def close_out(bus: Bus, run_id: str, settings: TrainerSettings, *, idle_s: float = 0.1) -> int:
     """Withhold what the trainer never settled; returns how many rollouts were withheld. Call it
     only when no trainer runs (it takes the trainer's consumer) and the run will not resume."""
     trained: set[str] = set()
@@ -96,11 +96,15 @@ async def close_out(bus: Bus, run_id: str, settings: TrainerSettings, *, idle_s:
             await pub.flush()
             for d in batch:
                 await d.ack()
-            if batch:
-                continue
+            # The durable's state after every fetch, which waits only ``idle_s``: what is left
+            # unacknowledged may be the acks of the events a fetch passed over (the withheld
+            # ones just published) still on their way, or a dead holder's, back after the ack
+            # wait; a run's end waits for neither longer than it takes.
             info = await bus.js.consumer_info(stream_name(run_id), spec.durable)
             if not info.num_pending and not info.num_ack_pending:
                 break
+            if batch:
+                continue
             if loop.time() >= deadline:
                 log.warning("close_out_incomplete", pending=info.num_pending, unacked=info.num_ack_pending)
                 break
