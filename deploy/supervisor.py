@@ -44,6 +44,7 @@ from jetrl.store.db import Store, StoreError, open_store_read_only
 log = get_logger(__name__)
 
 MAX_RESTARTS = 10
+POLL_S = 0.1  # how often the parts are looked at: a part that ended is seen within it
 USAGE_EVERY_S = 10.0  # how often the log's and the payload bucket's fill is checked
 USAGE_WARN = 0.8  # the share of a limit past which the run is warned about
 SETTLE_S = 3.0  # quiet on the rollout subjects after which parts elsewhere have stopped
@@ -362,6 +363,7 @@ class Supervisor:
     async def run(self) -> int:
         if self.cfg.run.fork_parts:
             warm_up()  # the parts' imports, while the server starts and the run is announced
+        RunReport.warm_up_plot()  # the reward curve's at the end, while the parts start
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(self.cfg.model_dump_json(indent=2))
         url = self.nats_url
@@ -424,7 +426,7 @@ class Supervisor:
                     self.say(f"time budget of {budget:.0f}s reached")
                     break
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(stop.wait(), timeout=0.5)
+                    await asyncio.wait_for(stop.wait(), timeout=POLL_S)
             else:
                 status, reason = "cancelled", "interrupted"
                 self.say("stopping (Ctrl-C)...")
@@ -438,7 +440,9 @@ class Supervisor:
         finally:
             # The recorder and the monitor read the log to its end after the others stop.
             self.stop_parts({p.name for p in self.parts if not p.follows})
-            await asyncio.sleep(0.5)  # the follower sees the last steps
+            # The follower sees the last steps: at once where it has seen the final one.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.final_step_seen.wait(), timeout=0.5)
             if follower:
                 follower.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
