@@ -134,35 +134,22 @@ class RunReport:
 
     def plot(self, path: Path, title: str) -> Path:
         """The reward curve (:meth:`figure`) as a PNG at `path`."""
-        fig = self.figure(title)  # picks the Agg backend before pyplot is imported here
-        import matplotlib.pyplot as plt
-
+        fig = self.figure(title)
         fig.savefig(path)
-        plt.close(fig)
+        _pyplot().close(fig)
         return path
 
     @staticmethod
     def warm_up_plot() -> None:
-        """Import matplotlib's pyplot (Agg) in the background now, for :meth:`plot` at the run's
-        end: its import is most of a plot's time (0.7 s of a run's end on a 2-core VM)."""
-
-        def load() -> None:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot  # imported for its cost, now
-
-        threading.Thread(target=load, name="plot-warm-up", daemon=True).start()
+        """Import matplotlib's pyplot in the background now, for :meth:`plot` at the run's end:
+        its import is most of a plot's time (0.7 s of a run's end on a 2-core VM)."""
+        threading.Thread(target=_pyplot, name="plot-warm-up", daemon=True).start()
 
     def figure(self, title: str) -> Any:
         """The reward per step, its running mean, the shown parts and each env's held-out pass@1
         and pass@k by policy version (version v is the policy after v steps), as a matplotlib
         figure."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+        plt = _pyplot()
         steps = self.steps
         x = [s["step"] for s in steps]
         rewards = [s.get("reward_mean", 0.0) for s in steps]
@@ -196,3 +183,13 @@ class RunReport:
         ax.set_title(f"jetrl run {title}")
         fig.tight_layout()
         return fig
+
+
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (files, no display), chosen before it is imported."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
