@@ -338,8 +338,8 @@ class PullConsumer(Generic[B]):
                 pending.cancel()
                 with contextlib.suppress(BaseException):
                     await pending
-            if stop.is_set():  # a fetch that a stop ended may still have been answered
-                await self.channel.hand_back()
+            # A fetch the loop gave up (a stop, a prefetch cancelled) may still be answered.
+            await self.channel.hand_back()
 
     async def run(
         self,

@@ -65,8 +65,8 @@ class PullChannel:
         await self.hand_back()
 
     async def hand_back(self) -> None:
-        """NAK what came here and no fetch took (a fetch given up when its caller stopped),
-        so that it is delivered again at once rather than after the ack wait."""
+        """NAK what came here and no fetch took (for a fetch given up: a stop, a cancelled
+        prefetch), so that it is delivered again at once rather than after the ack wait."""
         while not self.queue.empty():
             msg = self.queue.get_nowait()
             if status_of(msg) is None:
