@@ -21,14 +21,13 @@ and draws the reward curves of one seed (``--plot``, default bench/out/offpolicy
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from overhead import one_process
+from overhead import LOOP_THREADS, one_process
 
 from jetrl.bus.log import configure
 from jetrl.deploy.config import load_config
@@ -90,7 +89,7 @@ def main() -> None:
     ap.add_argument("--lag", type=int, default=1)
     ap.add_argument("--clip", type=float, default=0.2)
     ap.add_argument("--max-steps", type=int, default=1500)
-    ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("--threads", type=int, default=LOOP_THREADS)
     ap.add_argument("--plot", type=Path, default=ROOT / "bench" / "out" / "offpolicy.png")
     args = ap.parse_args()
     configure("warning")

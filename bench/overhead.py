@@ -53,6 +53,10 @@ from jetrl.producers.environments import make_environment
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# The one-process loop's torch threads: both cores of the 2-core machines it is measured on.
+LOOP_THREADS = min(2, os.cpu_count() or 1)
+
+
 def one_process(
     cfg: RunConfig,
     root: Path,
@@ -154,7 +158,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     ap.add_argument("--max-steps", type=int, default=1500)
-    ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("--threads", type=int, default=LOOP_THREADS)
     ap.add_argument(
         "--rounds",
         type=int,

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from overhead import one_process
+from overhead import LOOP_THREADS, one_process
 
 from jetrl.bus.log import configure
 from jetrl.deploy.config import RunConfig, load_config
@@ -118,14 +118,13 @@ def main() -> None:
             f"publishing and admitting {rest_s * 1e3:.1f} ms a step"
         )
     loop = None
-    threads = min(2, cores)  # as bench/overhead.py's loop
     if args.loop:
         with tempfile.TemporaryDirectory() as tmp:
             print(f"running the same {args.steps} steps in one process (the baseline)...", flush=True)
-            loop = loop_step(cfg, Path(tmp), args.from_step, threads)
+            loop = loop_step(cfg, Path(tmp), args.from_step, LOOP_THREADS)
         if loop is not None:
             print(
-                f"the one-process loop, steps {args.from_step}..{args.steps} ({threads} torch threads): "
+                f"the one-process loop, steps {args.from_step}..{args.steps} ({LOOP_THREADS} torch threads): "
                 f"{loop.wall_s * 1e3:.1f} ms a step, {loop.cpu_s * 1e3:.1f} ms CPU a step"
             )
     print()
