@@ -327,6 +327,73 @@ def train_step(
     return metrics
 
 
+class StepAccumulator:
+    """One optimizer step over micro-batches that come one at a time, before the step's token
+    count is known (a streaming trainer's groups as they arrive): each backward sums its tokens'
+    terms (normaliser 1); :meth:`finish` divides the gradients and the summed loss terms by the
+    step's total, then clips and steps as :func:`train_step` does. The same maths as one
+    :func:`train_step` over the same micro-batches, with the division after the sums rather
+    than inside each: equal up to float round-off, and bit-for-bit reproducible given the same
+    micro-batches (which StepCompleted records)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_cfg: LossConfig = DEFAULT_LOSS,
+        *,
+        temperature: float = 1.0,
+        replay: bool = True,
+        max_grad_norm: float | None = 1.0,
+    ) -> None:
+        self.model, self.optimizer, self.loss_cfg = model, optimizer, loss_cfg
+        self.temperature, self.replay, self.max_grad_norm = temperature, replay, max_grad_norm
+        self._parts: list[tuple[dict[str, float], int]] = []
+
+    @property
+    def started(self) -> bool:
+        return bool(self._parts)
+
+    def add(self, batch: TrainBatch, token_stats: list[torch.Tensor] | None = None) -> None:
+        """Forward and backward of one micro-batch; its gradients add to the step's."""
+        if not self._parts:
+            self.model.train()
+            self.optimizer.zero_grad(set_to_none=True)
+        m = forward_backward(
+            self.model,
+            batch,
+            self.loss_cfg,
+            temperature=self.temperature,
+            replay=self.replay,
+            num_tokens=1,
+            token_stats=token_stats,
+        )
+        self._parts.append((m, batch.num_tokens))
+
+    def finish(self) -> dict[str, float]:
+        """The optimizer step over every micro-batch added; the accumulator is empty again."""
+        if not self._parts:
+            raise RuntimeError("no micro-batch was added to the step")
+        parts, self._parts = self._parts, []
+        total = max(sum(n for _, n in parts), 1)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        with torch.no_grad():
+            for p in params:
+                assert p.grad is not None
+                p.grad.div_(total)
+        metrics: dict[str, float] = {}
+        for m, n in parts:
+            # Loss terms were summed over the tokens (normaliser 1): the step's share of each.
+            scaled = {k: v / total if k in ("loss", "pg_loss", "kl") else v for k, v in m.items()}
+            add_metrics(metrics, scaled, n / total)
+        norm = torch.nn.utils.clip_grad_norm_(
+            params, self.max_grad_norm if self.max_grad_norm else float("inf")
+        )
+        metrics["grad_norm"] = float(norm)
+        self.optimizer.step()
+        return metrics
+
+
 def add_metrics(into: dict[str, float], part: dict[str, float], weight: float) -> None:
     """Fold one micro-batch's metrics (or one rank's) into the step's: loss terms are already
     divided by the step's token total (summed), extremes stay extremes, the rest are token

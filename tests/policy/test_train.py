@@ -7,6 +7,7 @@ from jetrl.policy.routing import TraceError
 from jetrl.policy.sampling import SamplingConfig, generate, inference_copy
 from jetrl.policy.train import (
     Rollout,
+    StepAccumulator,
     collate,
     compute_logprobs,
     forward_backward,
@@ -139,3 +140,37 @@ def test_train_step_accepts_micro_batches(cfg, tok):
     whole = train_step(fresh, make_optimizer(fresh), collate(rolls, cfg), replay=False)
     for key in ("loss", "ratio_min", "ratio_max"):
         assert m[key] == pytest.approx(whole[key], rel=1e-3), key
+
+
+def test_a_step_accumulated_as_micro_batches_come_matches_one_taken_at_once(cfg, tok):
+    """A streaming trainer's step: each micro-batch's backward before the step's token count is
+    known, the division after. The same step as train_step over the same micro-batches (up to
+    round-off), and bit for bit the same again given the same micro-batches."""
+    rolls = [
+        Rollout(tok.encode("ab|"), [5, 6, 7], torch.tensor([-3.0, -3.5, -4.0]), 1.0),
+        Rollout(tok.encode("abcd|"), [8], torch.tensor([-4.0]), -1.0),
+        Rollout(tok.encode("a|"), [9, 5], torch.tensor([-2.0, -5.0]), 0.5),
+    ]
+    parts = [rolls[:1], rolls[1:]]
+
+    def accumulated() -> tuple[torch.nn.Module, dict[str, float]]:
+        model = build_model(cfg, seed=0)
+        acc = StepAccumulator(model, make_optimizer(model), replay=False)
+        for p in parts:
+            acc.add(collate(p, cfg))
+        return model, acc.finish()
+
+    ref = build_model(cfg, seed=0)
+    before = checksum(ref)
+    whole = train_step(ref, make_optimizer(ref), [collate(p, cfg) for p in parts], replay=False)
+    model, m = accumulated()
+    assert checksum(model) != before
+    assert m["num_tokens"] == whole["num_tokens"] == 6
+    for key in ("loss", "pg_loss", "kl", "ratio_min", "ratio_max", "grad_norm", "entropy"):
+        assert m[key] == pytest.approx(whole[key], rel=1e-4, abs=1e-7), key
+    for got, want in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    again, _ = accumulated()
+    assert checksum(again) == checksum(model)
+    with pytest.raises(RuntimeError, match="no micro-batch"):
+        StepAccumulator(model, make_optimizer(model)).finish()
