@@ -319,6 +319,10 @@ class StepCompleted(EventBody, frozen=True):
     # router would have sent it elsewhere than the replayed routes (0 for a dense model). What
     # the monitor's rollout inspector colours tokens by; absent when not recorded.
     token_stats: ArrayRef | None = None
+    # How the trainer took the rollouts when it took them as they came (``[trainer]
+    # stream_groups``): each micro-batch's count, in training order, one backward each before
+    # the optimizer step; empty when the step took them in one piece. Replay takes it the same way.
+    micro_batches: list[int] = []
     # The trainer's last step: its goal (max_steps, stop_at_reward) is reached and it stops, so
     # a run whose trainer is on another machine knows it is done.
     final: bool = False

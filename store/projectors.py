@@ -234,6 +234,7 @@ def _stepped(run: str, f: rm.Stepped) -> list[Partial]:
         "completed_at": f.t,
         "event_id": f.event_id,
         "seq": seq,
+        "micro_batches": list(f.micro_batches) or None,
     }
     out = [Partial(STEPS, (run, f.step), seq, values)]
     seqs = f.rollout_seqs

@@ -178,6 +178,8 @@ class Step(Base):
     completed_at: Mapped[float] = mapped_column(Float)
     event_id: Mapped[str] = mapped_column(Id)
     seq: Mapped[int] = mapped_column(sa.BigInteger)
+    # StepCompleted.micro_batches (a streaming step's); null: the step took its rollouts at once
+    micro_batches: Mapped[list[int] | None] = mapped_column(Json, nullable=True)
 
 
 class PolicyVersion(Base):

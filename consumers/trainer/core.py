@@ -23,7 +23,7 @@ import torch
 
 from jetrl.bus import events as ev
 from jetrl.bus.payloads import Payloads
-from jetrl.consumers.trainer.engine import TrainEngine, make_train_engine
+from jetrl.consumers.trainer.engine import StreamingEngine, TrainEngine, make_train_engine
 from jetrl.consumers.trainer.settings import TrainerPart
 from jetrl.policy.loss import group_advantages
 from jetrl.policy.train import Rollout
@@ -79,6 +79,8 @@ class TrainCore:
         self.part = part
         self.s = part.trainer
         self.engine: TrainEngine = make_train_engine(part)
+        if self.s.stream_groups:
+            self.streaming()  # refused now, not at the first group
 
     # ------------------------------------------------------------------ one step
 
@@ -155,8 +157,38 @@ class TrainCore:
             for i, a in enumerate(got)
         ]
 
-    def train(self, rollouts: list[Rollout]) -> dict[str, float]:
-        return self.engine.step(rollouts)
+    def train(self, rollouts: Sequence[Rollout], micro_batches: Sequence[int] = ()) -> dict[str, float]:
+        """One step on ``rollouts``: at once, or as a streaming step took them (``micro_batches``:
+        each one's count, in order; StepCompleted records them)."""
+        if len(micro_batches) <= 1:
+            return self.engine.step(rollouts)
+        if sum(micro_batches) != len(rollouts) or min(micro_batches) < 1:
+            raise ValueError(
+                f"micro-batches {list(micro_batches)} do not split the step's {len(rollouts)} rollouts"
+            )
+        engine, start = self.streaming(), 0
+        for n in micro_batches:
+            engine.accumulate(rollouts[start : start + n])
+            start += n
+        return engine.finish_step()
+
+    def accumulate(self, rollouts: Sequence[Rollout]) -> None:
+        """Forward and backward of one micro-batch of the step under way (``stream_groups``)."""
+        self.streaming().accumulate(rollouts)
+
+    def finish_step(self, rollouts: Sequence[Rollout]) -> dict[str, float]:
+        """The streaming step's last micro-batch, then its optimizer step."""
+        engine = self.streaming()
+        engine.accumulate(rollouts)
+        return engine.finish_step()
+
+    def streaming(self) -> StreamingEngine:
+        if not isinstance(self.engine, StreamingEngine):
+            raise ValueError(
+                f"the {self.s.engine_name!r} train engine cannot take a step's groups as they come "
+                "([trainer] stream_groups, or a logged step's micro_batches): the local engine can"
+            )
+        return self.engine
 
     def checksum(self) -> str:
         return self.engine.checksum()

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from jetrl.plugins import TRAIN_ENGINES
 
@@ -72,6 +72,21 @@ class TrainEngine(Protocol):
 
     def load_state(self, directory: Path) -> None:
         """Restore what :meth:`save_state` wrote."""
+        ...
+
+
+@runtime_checkable
+class StreamingEngine(TrainEngine, Protocol):
+    """An engine that takes a step's micro-batches as they come (``[trainer] stream_groups``):
+    forward and backward of each now, the optimizer step once the step's last is in."""
+
+    def accumulate(self, rollouts: Sequence[Rollout]) -> None:
+        """Forward and backward of one micro-batch of the step under way (the first starts it)."""
+        ...
+
+    def finish_step(self) -> dict[str, float]:
+        """The optimizer step over the micro-batches accumulated; returns the step's metrics
+        (and :meth:`step_token_stats` gives their rollouts', in order)."""
         ...
 
 

@@ -17,6 +17,7 @@ from jetrl.policy.origin import initial_model, model_config_of
 from jetrl.policy.packing import collate_for
 from jetrl.policy.train import (
     Rollout,
+    StepAccumulator,
     compute_logprobs,
     make_optimizer,
     set_deterministic,
@@ -38,6 +39,15 @@ class LocalTrainEngine:
         self.loss_cfg = LossConfig.clipped(s.ratio_clip, kl_coef=s.kl_coef, entropy_coef=s.entropy_coef)
         self.replay = s.replay and self.mcfg.is_moe
         self.last_token_stats: list[torch.Tensor] | None = None
+        self.accumulator = StepAccumulator(
+            self.model,
+            self.optimizer,
+            self.loss_cfg,
+            temperature=self.temperature,
+            replay=self.replay,
+            max_grad_norm=s.max_grad_norm,
+        )
+        self._accumulated_stats: list[torch.Tensor] = []
 
     def logprobs(self, rollouts: Sequence[Rollout]) -> list[torch.Tensor]:
         batch, layout = collate_for(rollouts, self.mcfg, self.s.pack_tokens)
@@ -59,6 +69,19 @@ class LocalTrainEngine:
             token_stats=stats,
         )
         self.last_token_stats = layout.per_rollout(stats[0])
+        return metrics
+
+    def accumulate(self, rollouts: Sequence[Rollout]) -> None:
+        stats: list[torch.Tensor] = []
+        batch, layout = collate_for(rollouts, self.mcfg, self.s.pack_tokens)
+        if not self.accumulator.started:
+            self._accumulated_stats = []
+        self.accumulator.add(batch, token_stats=stats)
+        self._accumulated_stats += layout.per_rollout(stats[0])
+
+    def finish_step(self) -> dict[str, float]:
+        metrics = self.accumulator.finish()
+        self.last_token_stats, self._accumulated_stats = self._accumulated_stats, []
         return metrics
 
     def step_token_stats(self) -> list[torch.Tensor] | None:

@@ -196,8 +196,9 @@ class Replayer:
         for step in range(self.version, last + 1):
             if step not in self.log.steps:
                 raise ReplayError(f"step {step} is missing from the log (steps must be contiguous)")
-            batch = [rollouts[rid] for rid in self.log.steps[step].rollout_ids]
-            metrics = self.core.train(await self.core.rollouts(batch, self.payloads))
+            logged = self.log.steps[step]
+            batch = [rollouts[rid] for rid in logged.rollout_ids]
+            metrics = self.core.train(await self.core.rollouts(batch, self.payloads), logged.micro_batches)
             self.version = step + 1
             pv = self.log.policies.get(step + 1)
             check = StepCheck(step, pv.weights_checksum if pv else None, self.core.checksum())

@@ -202,6 +202,7 @@ class Stepped(msgspec.Struct, frozen=True, gc=False):
     rollout_seqs: tuple[int, ...] = ()
     duration_s: float = 0.0
     event_id: str = ""
+    micro_batches: tuple[int, ...] = ()  # a streaming step's (StepCompleted.micro_batches)
 
 
 class Versioned(msgspec.Struct, frozen=True, gc=False):
@@ -517,6 +518,7 @@ def _stepped(seq: int, subject: str, e: ev.Event, b: ev.StepCompleted) -> Steppe
         tuple(b.rollout_seqs),
         duration_s=b.duration_s,
         event_id=e.event_id,
+        micro_batches=tuple(b.micro_batches),
     )
 
 

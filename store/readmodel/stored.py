@@ -223,6 +223,7 @@ def facts_of_store(conn: sa.Connection, run_id: str) -> Iterator[Fact]:
                 tuple(s for _, s in step if s is not None),  # the positions the step gave
                 duration_s=r["duration_s"],
                 event_id=r["event_id"],
+                micro_batches=tuple(r["micro_batches"] or ()),
             )
         )
     pvt = sc.table_of(sc.PolicyVersion)

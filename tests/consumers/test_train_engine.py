@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from jetrl.consumers.trainer.core import TrainCore
 from jetrl.consumers.trainer.engine import make_train_engine
 from jetrl.consumers.trainer.local_engine import LocalTrainEngine
 from jetrl.consumers.trainer.settings import TrainerPart, TrainerSettings
@@ -94,3 +95,29 @@ def test_a_packed_step_trains_what_the_padded_step_trains() -> None:
         assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=0)
     wa, wb = packed.model.state_dict(), padded.model.state_dict()
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4
+
+
+def test_a_streaming_step_is_taken_again_the_same_way_from_its_micro_batches() -> None:
+    """What replay does with a logged streaming step: the same micro-batches, one forward and
+    backward each, then the optimizer step: bit for bit what the live trainer took, with every
+    rollout's token records in training order."""
+    part = PART.model_copy(update={"trainer": PART.trainer.model_copy(update={"stream_groups": True})})
+    live, again = TrainCore(part), TrainCore(part)
+    assert isinstance(live.engine, LocalTrainEngine)
+    rollouts = rollouts_from(live.engine.model)
+    before = live.checksum()
+    live.accumulate(rollouts[:1])  # the live trainer: the first group as it came...
+    live.finish_step(rollouts[1:])  # ...the rest when the step was whole
+    stats = live.engine.step_token_stats()
+    assert stats is not None and [len(s) for s in stats] == [len(r.completion_ids) for r in rollouts]
+    metrics = again.train(rollouts, [1, 3])
+    assert live.checksum() == again.checksum() != before
+    assert metrics["num_tokens"] == sum(len(r.completion_ids) for r in rollouts)
+    with pytest.raises(ValueError, match="do not split"):
+        again.train(rollouts, [1, 2])
+
+
+def test_an_engine_that_cannot_accumulate_refuses_a_streaming_trainer() -> None:
+    settings = TrainerSettings(engine="tests.support.plugins.tally_engine:TallyEngine", stream_groups=True)
+    with pytest.raises(ValueError, match="cannot take a step's groups as they come"):
+        TrainCore(PART.model_copy(update={"trainer": settings}))

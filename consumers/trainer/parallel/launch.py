@@ -38,7 +38,13 @@ class TorchrunLaunch(TrainLaunch):
         return trainer.parallelism.world_size > 1
 
     def check(self, trainer: TrainerSettings) -> None:
-        pass  # any world size (ParallelismSettings refuses what no rank can run)
+        # Any world size (ParallelismSettings refuses what no rank can run); the ranks take a
+        # step's batch at once.
+        if trainer.stream_groups:
+            raise ValueError(
+                f"train engine {trainer.engine_name!r} takes each step's batch at once: "
+                "[trainer] stream_groups needs the local engine"
+            )
 
     def command(self, argv: list[str], trainer: TrainerSettings, nodes: Nodes) -> list[str]:
         world = trainer.parallelism.world_size

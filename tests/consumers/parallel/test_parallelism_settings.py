@@ -33,3 +33,9 @@ def test_world_size_and_the_engine_it_picks() -> None:
 def test_layouts_refused_with_why(layout: dict[str, object], why: str) -> None:
     with pytest.raises(ValidationError, match=why):
         ParallelismSettings.model_validate(layout)
+
+
+def test_a_streaming_trainer_is_refused_where_the_engine_takes_each_batch_at_once() -> None:
+    assert TrainerSettings(stream_groups=True).engine_name == "local"
+    with pytest.raises(ValidationError, match="stream_groups needs the local engine"):
+        TrainerSettings(stream_groups=True, parallelism=ParallelismSettings(dp_shard=2))
