@@ -70,6 +70,37 @@ class Group:
         return [m.rollout.reward for m in self.members]
 
 
+@dataclass
+class StepUnderWay:
+    """A streaming step's groups so far (``[trainer] stream_groups``): taken out of the buffer,
+    their forward and backward done, their deliveries unacked until the step is logged."""
+
+    groups: list[Group] = field(default_factory=list)
+    micro_batches: list[int] = field(default_factory=list)  # rollouts in each, in order
+    tokens: int = 0  # completion tokens
+    wait_s: float = 0.0  # waiting for fresh groups before each
+    read_s: float = 0.0  # reading and checking their arrays
+    busy_s: float = 0.0  # their inputs built, forward and backward
+    rollout_ids: set[str] = field(default_factory=set)
+
+    def add(self, groups: list[Group], tokens: int, wait_s: float, read_s: float, busy_s: float) -> None:
+        self.groups += groups
+        self.micro_batches.append(sum(len(g.members) for g in groups))
+        self.tokens += tokens
+        self.wait_s += wait_s
+        self.read_s += read_s
+        self.busy_s += busy_s
+        self.rollout_ids.update(m.rollout_id for g in groups for m in g.members)
+
+    def holds(self, rollouts: list[ev.ScoredRollout]) -> bool:
+        """Whether every one of ``rollouts`` is in the step already (a redelivery)."""
+        return bool(rollouts) and all(r.rollout_id in self.rollout_ids for r in rollouts)
+
+    def deliveries(self) -> Iterator[ScoredDelivery]:
+        for g in self.groups:
+            yield from g.deliveries
+
+
 class GroupBuffer:
     def __init__(self, shares: Mapping[tuple[str, str], float]) -> None:
         self.shares = dict(shares)  # (tenant, env) -> its share of a batch

@@ -72,6 +72,12 @@ class TrainerSettings(Section):
     batch_groups: int = Field(8, ge=1)  # groups per optimizer step
     max_off_policy_steps: int = Field(MAX_OFF_POLICY_STEPS, ge=0)
     max_steps: int = Field(1000, ge=1)
+    # Take each fresh group as it arrives (its forward and backward at once, gradients summed)
+    # and step the optimizer once `batch_groups` are in, instead of waiting for the whole batch
+    # first: the trainer computes while slow environments finish the rest (bench/async.py).
+    # The same groups give the same step up to float round-off; StepCompleted records the
+    # micro-batches, so replay takes them the same way. Needs an engine that accumulates (local).
+    stream_groups: bool = False
     stop_at_reward: float | None = None  # stop once the mean reward over `reward_window` steps reaches it
     reward_window: int = Field(10, ge=1)
     replay: bool = True

@@ -52,7 +52,7 @@ from jetrl.consumers.trainer.admission import (
     check_rollouts,
     routes_by_key,
 )
-from jetrl.consumers.trainer.batching import fill_batch
+from jetrl.consumers.trainer.batching import fill_batch, more_groups
 from jetrl.consumers.trainer.core import (
     RolloutArrays,
     ScoredView,
@@ -61,11 +61,12 @@ from jetrl.consumers.trainer.core import (
     checkpoint_version,
     list_checkpoints,
 )
-from jetrl.consumers.trainer.groups import Group, GroupBuffer, Member, share_without_signal
+from jetrl.consumers.trainer.groups import Group, GroupBuffer, Member, StepUnderWay, share_without_signal
 from jetrl.consumers.trainer.replay import Replayer, ReplayError, read_rollouts, read_run_log, trained_seqs
 from jetrl.consumers.trainer.settings import TrainerPart
 from jetrl.consumers.trainer.withholding import ScoredDelivery, rollout_consumer_spec, withheld_event
 from jetrl.policy.origin import model_config_of
+from jetrl.policy.train import Rollout
 from jetrl.policy.weights import ExportedWeights
 
 # WeightsReady.format of each [trainer] weights_layout (docs/events.md).
@@ -90,6 +91,7 @@ class Trainer:
         self.withheld_ids: set[str] = set()
         self._task_events: dict[str, str] = {}  # task id -> its TaskSubmitted's event id
         self.buffer = GroupBuffer({(r.tenant, r.env): r.share for r in part.envs})
+        self.under_way = StepUnderWay()  # a streaming step's groups so far
         self.routes = routes_by_key(part.envs)
         mcfg = model_config_of(part.model)
         replay_traces = settings.replay and mcfg.is_moe
@@ -253,6 +255,7 @@ class Trainer:
         tokens: int,
         duration_s: float,
         token_stats: ev.ArrayRef | None = None,
+        micro_batches: list[int] | None = None,
     ) -> int:
         """StepCompleted first: with the logged rollouts it determines the new weights, so a
         crash before they are announced is repaired by replay. The weights are exported while
@@ -270,6 +273,7 @@ class Trainer:
                         tokens=tokens,
                         duration_s=duration_s,
                         token_stats=token_stats,
+                        micro_batches=micro_batches or [],
                         final=self.done(),
                     ),
                     run_id=self.run_id,
@@ -320,27 +324,30 @@ class Trainer:
     async def step(
         self, consumer: PullConsumer[ev.RolloutsScored], groups: list[Group], wait_s: float, read_s: float
     ) -> None:
-        """Train on ``groups`` and publish the step. Unless it is the last, the groups the
-        chain scored during the train call are fetched and admitted while the step's events and
-        weights go out (its round trips and the export's thread leave the loop idle)."""
+        """Train on ``groups`` (after a streaming step's groups under way) and publish the step.
+        Unless it is the last, the groups the chain scored during the train call are fetched
+        and admitted while the step's events and weights go out (its round trips and the
+        export's thread leave the loop idle)."""
         t0 = time.perf_counter()
-        # Training order: groups by arrival, samples by index (recorded in StepCompleted).
-        for g in groups:
-            g.members.sort(key=lambda m: m.rollout.sample_index)
-        assert self.payloads is not None
+        rollouts = await self.inputs(groups)
+        u, self.under_way = self.under_way, StepUnderWay()
+        if u.groups:
+            metrics = await asyncio.to_thread(self.core.finish_step, rollouts)
+            micro_batches = [*u.micro_batches, len(rollouts)]
+        else:
+            metrics = await asyncio.to_thread(self.core.train, rollouts)
+            micro_batches = []
+        groups = u.groups + groups
         members = [m for g in groups for m in g.members]
-        read = self.buffer.arrays_of(groups)
-        rollouts = await self.core.rollouts([self.view(m) for m in members], self.payloads, read)
         rewards = [m.rollout.reward for m in members]
         stale = [self.version - m.rollout.policy_version_start for m in members]
-        metrics = await asyncio.to_thread(self.core.train, rollouts)
         rollout_ids = [m.rollout_id for m in members]
         # Trained from here on: a redelivery of one of them admitted meanwhile is acked, not held.
         self.trained.update(rollout_ids)
         token_stats = await self.token_stats(self.version)
         step = self.version
         self.version += 1
-        tokens = sum(len(r.completion_ids) for r in rollouts)
+        tokens = u.tokens + sum(len(r.completion_ids) for r in rollouts)
         parts: dict[str, list[float]] = {}
         for m in members:
             for k, v in m.rollout.reward_parts.items():
@@ -354,17 +361,18 @@ class Trainer:
             reward_max=max(rewards),
             staleness_mean=sum(stale) / len(stale),
             staleness_max=float(max(stale)),
-            trainer_wait_s=wait_s,
-            trainer_read_s=read_s,
+            trainer_wait_s=u.wait_s + wait_s,
+            trainer_read_s=u.read_s + read_s,
             trainer_idle_frac=self.wait_s / elapsed if elapsed > 0 else 0.0,
             withheld_total=float(len(self.withheld_ids)),
             groups=float(len(groups)),
+            micro_batches=float(max(len(micro_batches), 1)),
             groups_no_signal=share_without_signal([g.rewards() for g in groups]),
             **self.buffer.route_metrics(groups),
             **{f"reward_{k}": sum(v) / len(v) for k, v in parts.items()},
         )
         seqs = [m.seq for m in members]
-        duration = time.perf_counter() - t0
+        duration = u.busy_s + time.perf_counter() - t0
         metrics["step_s"] = duration
         try:
             step_seq = await self.publish_step(
@@ -375,6 +383,7 @@ class Trainer:
                 tokens=tokens,
                 duration_s=duration,
                 token_stats=token_stats,
+                micro_batches=micro_batches,
             )
         except BaseException:
             if arrived is not None:
@@ -398,6 +407,25 @@ class Trainer:
             loss=round(metrics.get("loss", 0.0), 5),
             step_s=round(duration, 3),
         )
+
+    async def accumulate(self, groups: list[Group], wait_s: float, read_s: float) -> None:
+        """A streaming step's groups that are not its last: their forward and backward now,
+        while the rest are still on their way."""
+        t0 = time.perf_counter()
+        rollouts = await self.inputs(groups)
+        await asyncio.to_thread(self.core.accumulate, rollouts)
+        tokens = sum(len(r.completion_ids) for r in rollouts)
+        self.under_way.add(groups, tokens, wait_s, read_s, time.perf_counter() - t0)
+
+    async def inputs(self, groups: list[Group]) -> list[Rollout]:
+        """The training inputs of vetted ``groups``, in training order: groups by arrival,
+        samples by index (recorded in StepCompleted)."""
+        for g in groups:
+            g.members.sort(key=lambda m: m.rollout.sample_index)
+        assert self.payloads is not None
+        members = [m for g in groups for m in g.members]
+        read = self.buffer.arrays_of(groups)
+        return await self.core.rollouts([self.view(m) for m in members], self.payloads, read)
 
     async def token_stats(self, step: int) -> ev.ArrayRef | None:
         """The step's per-token trainer log-probs and routing differences as one array (in the
@@ -439,6 +467,9 @@ class Trainer:
         settled = [r.rollout_id in self.withheld_ids or r.rollout_id in self.trained for r in b.rollouts]
         if settled and all(settled):
             await d.ack()  # redelivered after a crash: already trained or withheld, never twice
+            return
+        if self.under_way.holds(b.rollouts):
+            await d.ack()  # redelivered while its streaming step is under way: it is in there
             return
         if any(settled):
             await self.reject(
@@ -546,7 +577,8 @@ class Trainer:
 
     async def train_ready(self, consumer: PullConsumer[ev.RolloutsScored]) -> bool:
         """Withhold the stale ready groups, then take one step if ``batch_groups`` fresh groups
-        are ready, filled by the envs' shares. Returns whether it stepped."""
+        are ready, filled by the envs' shares; streaming (``stream_groups``), take those ready
+        into the step under way, stepping once it is whole. Returns whether it trained."""
         ready_at: float | None = None
         while True:
             ready = []
@@ -559,11 +591,19 @@ class Trainer:
                 await self.withhold(
                     g, "stale", f"staleness {staleness} > max_off_policy_steps {self.s.max_off_policy_steps}"
                 )
-            if len(ready) < self.s.batch_groups:
+            if self.s.stream_groups:
+                taken = self.under_way.groups
+                batch = more_groups(
+                    ready, taken, self.s.batch_groups, self.buffer.shares, key=_route, rotate=self.version
+                )
+                if not batch:
+                    return False
+            elif len(ready) < self.s.batch_groups:
                 return False
-            batch = fill_batch(
-                ready, self.s.batch_groups, self.buffer.shares, key=lambda g: g.route, rotate=self.version
-            )
+            else:
+                batch = fill_batch(
+                    ready, self.s.batch_groups, self.buffer.shares, key=_route, rotate=self.version
+                )
             ready_at = ready_at or time.monotonic()
             if not await self.vet(consumer, batch):
                 continue  # a group was rejected: fill the batch again from what is left
@@ -572,7 +612,10 @@ class Trainer:
             # the trainer's own work, timed apart.
             wait, read = ready_at - self.last_step_end, time.monotonic() - ready_at
             self.wait_s += wait
-            await self.step(consumer, batch, wait, read)
+            if len(self.under_way.groups) + len(batch) < self.s.batch_groups:
+                await self.accumulate(batch, wait, read)
+            else:
+                await self.step(consumer, batch, wait, read)
             self.last_step_end = time.monotonic()
             return True
 
@@ -587,7 +630,7 @@ class Trainer:
             while not self.done() and await self.train_ready(consumer):
                 pass
             if time.monotonic() - last_beat > self.s.ack_wait_s / 3:
-                for d in self.buffer.held():
+                for d in [*self.buffer.held(), *self.under_way.deliveries()]:
                     with contextlib.suppress(Exception):
                         await d.in_progress()
                 last_beat = time.monotonic()
@@ -662,3 +705,7 @@ async def read_rejected_groups(bus: Bus, run_id: str) -> set[str]:
         if isinstance(original.body, ev.RolloutsScored):
             out.add(original.body.group_id)
     return out
+
+
+def _route(g: Group) -> tuple[str, str]:
+    return g.route

@@ -94,11 +94,29 @@ async def test_replay_verifies_every_step_and_names_a_divergence(
     await bus.close()
 
 
+# A streaming trainer (each group trained as it comes) beside an environment slow enough that a
+# step's groups come apart: its steps are micro-batched, and recovery and replay take them so.
+STREAMING = [
+    "--trainer.stream_groups",
+    "true",
+    "--envs.0.latency_median_s",
+    "0.05",
+    "--envs.0.latency_sigma",
+    "1",
+]
+
+
 @pytest.mark.fault
-async def test_trainer_killed_mid_run_recovers_by_replay(nats_server: EmbeddedServer, tmp_path: Path) -> None:
-    run_id = "trainerkill"
-    steps = 9
-    cfg = load_config(None, ["--trainer.max_steps", str(steps), "--trainer.ack_wait_s", "2", *OVERRIDES])
+@pytest.mark.parametrize("streaming", [False, True], ids=["batch", "streaming"])
+async def test_trainer_killed_mid_run_recovers_by_replay(
+    nats_server: EmbeddedServer, tmp_path: Path, streaming: bool
+) -> None:
+    run_id = "trainerkill-stream" if streaming else "trainerkill"
+    steps = 12  # steps after the second kill: a fast machine must not end the run before it
+    extra = STREAMING if streaming else []
+    cfg = load_config(
+        None, ["--trainer.max_steps", str(steps), "--trainer.ack_wait_s", "2", *OVERRIDES, *extra]
+    )
     sup = Supervisor(cfg, run_id, tmp_path / run_id, nats_url=nats_server.url, quiet=True)
     run = asyncio.create_task(sup.run())
     kills = 0
@@ -109,7 +127,8 @@ async def test_trainer_killed_mid_run_recovers_by_replay(nats_server: EmbeddedSe
         if trainer.proc and trainer.proc.poll() is None:
             trainer.proc.send_signal(signal.SIGKILL)
             kills += 1
-            await asyncio.sleep(0.6)  # the supervisor sees the crash and restarts it
+            while trainer.restarts < kills and not run.done():  # the supervisor restarts it
+                await asyncio.sleep(0.05)
     assert await run == 0
     assert kills == 2
     assert next(p for p in sup.parts if p.name == "trainer").restarts == 2
@@ -120,6 +139,9 @@ async def test_trainer_killed_mid_run_recovers_by_replay(nats_server: EmbeddedSe
     assert sorted(s.step for s in step_events) == list(range(steps))
     trained = Counter(rid for s in step_events for rid in s.rollout_ids)
     assert all(n == 1 for n in trained.values()), "a rollout was trained twice"
+    split = [s.micro_batches for s in step_events if s.micro_batches]
+    assert all(sum(m) == len(s.rollout_ids) for s in step_events if (m := s.micro_batches))
+    assert bool(split) == streaming, f"micro-batched steps: {split}"
     scored = Counter(r.rollout_id for _, r in scored_rollouts(log))
     assert set(trained) <= set(scored) and all(n == 1 for n in scored.values()), "a rollout was scored twice"
     withheld = {e.body.rollout_id for e in log if isinstance(e.body, ev.RolloutWithheld)}

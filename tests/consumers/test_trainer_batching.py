@@ -13,7 +13,7 @@ from jetrl.bus import events as ev
 from jetrl.bus.client import Bus
 from jetrl.bus.payloads import inline_array
 from jetrl.bus.settings import EnvRoute
-from jetrl.consumers.trainer.batching import fill_batch, split_slots
+from jetrl.consumers.trainer.batching import fill_batch, more_groups, split_slots
 from jetrl.consumers.trainer.groups import share_without_signal
 from jetrl.consumers.trainer.settings import TrainerPart, TrainerSettings
 from jetrl.consumers.trainer.trainer import Trainer
@@ -70,6 +70,39 @@ def test_without_shares_the_batch_is_the_first_in_arrival_order() -> None:
 def test_unequal_shares() -> None:
     ready = ["b0", "b1", "b2"] + [f"a{i}" for i in range(8)]
     assert fill_batch(ready, 4, {"a": 3.0, "b": 1.0}, key=env_of) == ["b0", "a0", "a1", "a2"]
+
+
+def test_a_step_filled_as_groups_come_keeps_each_env_to_its_share_until_it_can_be_completed() -> None:
+    shares = {"a": 1.0, "b": 1.0}
+    # A flood of a's fills a's half; b's half waits for b's groups...
+    assert more_groups(["a0", "a1", "a2"], [], 4, shares, key=env_of) == ["a0", "a1"]
+    assert more_groups(["a2", "a3"], ["a0", "a1"], 4, shares, key=env_of) == ["a2", "a3"]  # ...unless it
+    # can be completed now: then the slots b cannot fill go to the others (work-conserving).
+    assert more_groups(["a2", "b0"], ["a0", "a1"], 4, shares, key=env_of) == ["a2", "b0"]
+    assert more_groups(["a2"], ["a0", "a1"], 4, shares, key=env_of) == []
+    assert more_groups(["b0", "a2", "b1"], ["a0", "a1"], 4, shares, key=env_of) == ["b0", "b1"]
+    assert more_groups(["a2"], ["a0", "a1", "b0", "b1"], 4, shares, key=env_of) == []  # whole already
+    # An env of no share only takes what is left over once the step can be completed.
+    assert more_groups(["x0", "a0"], [], 3, shares, key=env_of) == ["a0"]
+    # Without shares: whatever is ready, up to the step's slots.
+    assert more_groups(["a0", "a1", "b0"], ["c0"], 3, {}, key=env_of) == ["a0", "a1"]
+
+
+def test_a_step_filled_from_nothing_with_enough_ready_is_the_batch_fill_batch_gives() -> None:
+    envs = "abx"
+    for n, slots in itertools.product(range(1, 9), range(1, 6)):
+        for arrival in itertools.islice(itertools.product(envs, repeat=n), 0, None, 7):
+            ready = [f"{e}{i}" for i, e in enumerate(arrival)]
+            for shares in ({"a": 1.0, "b": 1.0}, {"a": 3.0, "b": 1.0}, {}):
+                got = more_groups(ready, [], slots, shares, key=env_of, rotate=n)
+                if len(ready) >= slots:
+                    assert got == fill_batch(ready, slots, shares, key=env_of, rotate=n)
+                # Taken a few at a time, a step never gives an env more than its share while
+                # it cannot be completed.
+                quota = split_slots(slots, shares, n) if shares else None
+                if quota is not None and len(ready) < slots:
+                    for k, q in quota.items():
+                        assert sum(env_of(g) == k for g in got) <= q
 
 
 # ------------------------------------------------------------------------ a trainer on a real server
