@@ -156,6 +156,7 @@ def run_mode(
     workers: int,
     model: list[str],
     inflight: int | None = None,
+    stream: bool = False,
 ) -> tuple[ModeFigures, list[float]]:
     args = (
         f"--run.max_wall_s {seconds} --run.seed 0 --trainer.max_off_policy_steps {k} "
@@ -168,6 +169,8 @@ def run_mode(
     ).split()
     if inflight is not None:
         args += ["--envs.0.inflight_groups", str(inflight * (1 + k) * 8)]
+    if stream and k:  # the synchronous baseline takes whole batches
+        args += ["--trainer.stream_groups", "true"]
     cfg = load_config(None, [*args, *model])
     run_id = f"async-k{k}"
     sup = Supervisor(cfg, run_id, root / run_id, nats_url=url, quiet=True)
@@ -187,6 +190,12 @@ def main() -> None:
         type=int,
         default=None,
         help="groups in flight = this x (1 + k) x batch groups (default: 1, the producer's rule)",
+    )
+    ap.add_argument(
+        "--stream-groups",
+        choices=["on", "off"],
+        default="on",
+        help="the asynchronous modes' trainer takes each group as it comes ([trainer] stream_groups)",
     )
     # A trainer step that is not trivially cheap next to generation (about 0.25 s here), as on
     # real clusters; with the 2-layer dim-64 demo model the event path, not the trainer, is the
@@ -225,6 +234,7 @@ def main() -> None:
                 args.workers,
                 model,
                 args.oversubscribe,
+                args.stream_groups == "on",
             )
             results[k], latencies[k] = r, lat
             rate = f"{r.steps_per_min:.1f} steps/min" if r.steps_per_min is not None else "steps/min -"

@@ -11,7 +11,10 @@ supervisor restarts it and it rebuilds its state from the log. Afterwards the lo
 * rollouts trained twice (in two steps, or twice in one);
 * whether `jetrl replay --verify` reproduces every step's checksum from the log.
 
-    python bench/chaos.py [--steps 200] [--kills 22] [--seed 0]
+    python bench/chaos.py [--steps 200] [--kills 22] [--seed 0] [-- CONFIG OVERRIDES]
+
+(e.g. ``-- --trainer.stream_groups true --envs.0.latency_median_s 0.02``: a streaming trainer
+killed while a step's groups are under way.)
 """
 
 from __future__ import annotations
@@ -92,7 +95,7 @@ class ChaosResult(TypedDict):
     restarts: dict[str, int]
 
 
-async def chaos(root: Path, steps: int, kills: int, seed: int) -> ChaosResult:
+async def chaos(root: Path, steps: int, kills: int, seed: int, over: list[str] | None = None) -> ChaosResult:
     run_id = "chaos"
     cfg = load_config(
         None,
@@ -117,6 +120,7 @@ async def chaos(root: Path, steps: int, kills: int, seed: int) -> ChaosResult:
             str(ACK_WAIT),
             "--trainer.entropy_coef",
             "0.02",
+            *(over or []),
         ],
     )
     sup = Supervisor(cfg, run_id, root / run_id, quiet=True)
@@ -236,11 +240,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--kills", type=int, default=22)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("over", nargs="*", help="config overrides, after --")
     args = ap.parse_args()
     configure(level="error")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        r = asyncio.run(chaos(Path(tmp), args.steps, args.kills, args.seed))
+        r = asyncio.run(chaos(Path(tmp), args.steps, args.kills, args.seed, args.over))
     wall = time.perf_counter() - t0
     print()
     print(
