@@ -320,11 +320,17 @@ def train_step(
             token_stats=token_stats,
         )
         add_metrics(metrics, m, b.num_tokens / total)
+    metrics["grad_norm"] = clip_and_step(model, optimizer, max_grad_norm)
+    return metrics
+
+
+def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None) -> float:
+    """Clip the gradients to ``max_grad_norm`` (None or 0: no clip) and take the optimizer
+    step; returns the gradients' norm before the clip."""
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm else float("inf"))
-    metrics["grad_norm"] = float(norm)
     optimizer.step()
-    return metrics
+    return float(norm)
 
 
 class StepAccumulator:
@@ -376,21 +382,16 @@ class StepAccumulator:
             raise RuntimeError("no micro-batch was added to the step")
         parts, self._parts = self._parts, []
         total = max(sum(n for _, n in parts), 1)
-        params = [p for p in self.model.parameters() if p.grad is not None]
         with torch.no_grad():
-            for p in params:
-                assert p.grad is not None
-                p.grad.div_(total)
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.div_(total)
         metrics: dict[str, float] = {}
         for m, n in parts:
             # Loss terms were summed over the tokens (normaliser 1): the step's share of each.
             scaled = {k: v / total if k in ("loss", "pg_loss", "kl") else v for k, v in m.items()}
             add_metrics(metrics, scaled, n / total)
-        norm = torch.nn.utils.clip_grad_norm_(
-            params, self.max_grad_norm if self.max_grad_norm else float("inf")
-        )
-        metrics["grad_norm"] = float(norm)
-        self.optimizer.step()
+        metrics["grad_norm"] = clip_and_step(self.model, self.optimizer, self.max_grad_norm)
         return metrics
 
 
