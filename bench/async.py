@@ -155,7 +155,7 @@ def run_mode(
     sigma: float,
     workers: int,
     model: list[str],
-    inflight: int | None = None,
+    inflight: float | None = None,
     stream: bool = False,
 ) -> tuple[ModeFigures, list[float]]:
     args = (
@@ -168,7 +168,7 @@ def run_mode(
         "--bus.max_gib 1 --bus.payload_max_gib 1"
     ).split()
     if inflight is not None:
-        args += ["--envs.0.inflight_groups", str(inflight * (1 + k) * 8)]
+        args += ["--envs.0.inflight_groups", str(round(inflight * (1 + k) * 8))]
     if stream and k:  # the synchronous baseline takes whole batches
         args += ["--trainer.stream_groups", "true"]
     cfg = load_config(None, [*args, *model])
@@ -187,7 +187,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=1, help="inference workers")
     ap.add_argument(
         "--oversubscribe",
-        type=int,
+        type=float,
         default=None,
         help="groups in flight = this x (1 + k) x batch groups (default: 1, the producer's rule)",
     )
