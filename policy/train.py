@@ -356,10 +356,6 @@ class StepAccumulator:
         self.temperature, self.replay, self.max_grad_norm = temperature, replay, max_grad_norm
         self._parts: list[tuple[dict[str, float], int]] = []
 
-    @property
-    def started(self) -> bool:
-        return bool(self._parts)
-
     def add(self, batch: TrainBatch, token_stats: list[torch.Tensor] | None = None) -> None:
         """Forward and backward of one micro-batch; its gradients add to the step's."""
         if not self._parts:

@@ -166,11 +166,11 @@ class TrainCore:
             raise ValueError(
                 f"micro-batches {list(micro_batches)} do not split the step's {len(rollouts)} rollouts"
             )
-        engine, start = self.streaming(), 0
-        for n in micro_batches:
-            engine.accumulate(rollouts[start : start + n])
+        start = 0
+        for n in micro_batches[:-1]:
+            self.accumulate(rollouts[start : start + n])
             start += n
-        return engine.finish_step()
+        return self.finish_step(rollouts[start:])
 
     def accumulate(self, rollouts: Sequence[Rollout]) -> None:
         """Forward and backward of one micro-batch of the step under way (``stream_groups``)."""

@@ -81,7 +81,6 @@ class StepUnderWay:
     wait_s: float = 0.0  # waiting for fresh groups before each
     read_s: float = 0.0  # reading and checking their arrays
     busy_s: float = 0.0  # their inputs built, forward and backward
-    rollout_ids: set[str] = field(default_factory=set)
 
     def add(self, groups: list[Group], tokens: int, wait_s: float, read_s: float, busy_s: float) -> None:
         self.groups += groups
@@ -90,11 +89,13 @@ class StepUnderWay:
         self.wait_s += wait_s
         self.read_s += read_s
         self.busy_s += busy_s
-        self.rollout_ids.update(m.rollout_id for g in groups for m in g.members)
 
     def holds(self, rollouts: list[ev.ScoredRollout]) -> bool:
         """Whether every one of ``rollouts`` is in the step already (a redelivery)."""
-        return bool(rollouts) and all(r.rollout_id in self.rollout_ids for r in rollouts)
+        if not self.groups or not rollouts:
+            return False
+        held = {m.rollout_id for g in self.groups for m in g.members}
+        return all(r.rollout_id in held for r in rollouts)
 
     def deliveries(self) -> Iterator[ScoredDelivery]:
         for g in self.groups:

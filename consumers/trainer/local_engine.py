@@ -74,8 +74,6 @@ class LocalTrainEngine:
     def accumulate(self, rollouts: Sequence[Rollout]) -> None:
         stats: list[torch.Tensor] = []
         batch, layout = collate_for(rollouts, self.mcfg, self.s.pack_tokens)
-        if not self.accumulator.started:
-            self._accumulated_stats = []
         self.accumulator.add(batch, token_stats=stats)
         self._accumulated_stats += layout.per_rollout(stats[0])
 

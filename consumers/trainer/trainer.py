@@ -255,7 +255,7 @@ class Trainer:
         tokens: int,
         duration_s: float,
         token_stats: ev.ArrayRef | None = None,
-        micro_batches: list[int] | None = None,
+        micro_batches: list[int],
     ) -> int:
         """StepCompleted first: with the logged rollouts it determines the new weights, so a
         crash before they are announced is repaired by replay. The weights are exported while
@@ -273,7 +273,7 @@ class Trainer:
                         tokens=tokens,
                         duration_s=duration_s,
                         token_stats=token_stats,
-                        micro_batches=micro_batches or [],
+                        micro_batches=micro_batches,
                         final=self.done(),
                     ),
                     run_id=self.run_id,
@@ -366,7 +366,6 @@ class Trainer:
             trainer_idle_frac=self.wait_s / elapsed if elapsed > 0 else 0.0,
             withheld_total=float(len(self.withheld_ids)),
             groups=float(len(groups)),
-            micro_batches=float(max(len(micro_batches), 1)),
             groups_no_signal=share_without_signal([g.rewards() for g in groups]),
             **self.buffer.route_metrics(groups),
             **{f"reward_{k}": sum(v) / len(v) for k, v in parts.items()},
