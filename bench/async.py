@@ -34,6 +34,8 @@ from jetrl.deploy.config import load_config
 from jetrl.deploy.cores import others_cores
 from jetrl.deploy.supervisor import Supervisor
 
+# --stream-groups: [trainer] stream_groups.
+STREAM_GROUPS = {"on": "true", "off": "false", "auto": "auto"}
 # Steady state: the first steps (process start-up, first weights) are not timed.
 WARMUP_STEPS = 3
 # Timed steps a mode needs for a rate (two intervals between them) and for the idle fraction.
@@ -156,7 +158,7 @@ def run_mode(
     workers: int,
     model: list[str],
     inflight: float | None = None,
-    stream: bool = False,
+    stream: str = "auto",
 ) -> tuple[ModeFigures, list[float]]:
     args = (
         f"--run.max_wall_s {seconds} --run.seed 0 --trainer.max_off_policy_steps {k} "
@@ -169,8 +171,8 @@ def run_mode(
     ).split()
     if inflight is not None:
         args += ["--envs.0.inflight_groups", str(round(inflight * (1 + k) * 8))]
-    if stream and k:  # the synchronous baseline takes whole batches
-        args += ["--trainer.stream_groups", "true"]
+    # The synchronous baseline takes whole batches, as it always has here.
+    args += ["--trainer.stream_groups", STREAM_GROUPS[stream] if k else "false"]
     cfg = load_config(None, [*args, *model])
     run_id = f"async-k{k}"
     sup = Supervisor(cfg, run_id, root / run_id, nats_url=url, quiet=True)
@@ -193,9 +195,10 @@ def main() -> None:
     )
     ap.add_argument(
         "--stream-groups",
-        choices=["on", "off"],
-        default="on",
-        help="the asynchronous modes' trainer takes each group as it comes ([trainer] stream_groups)",
+        choices=list(STREAM_GROUPS),
+        default="auto",
+        help="whether the asynchronous modes' trainer takes each group as it comes "
+        "([trainer] stream_groups; auto, the default, where its batches come late)",
     )
     # A trainer step that is not trivially cheap next to generation (about 0.25 s here), as on
     # real clusters; with the 2-layer dim-64 demo model the event path, not the trainer, is the
@@ -234,7 +237,7 @@ def main() -> None:
                 args.workers,
                 model,
                 args.oversubscribe,
-                args.stream_groups == "on",
+                args.stream_groups,
             )
             results[k], latencies[k] = r, lat
             rate = f"{r.steps_per_min:.1f} steps/min" if r.steps_per_min is not None else "steps/min -"

@@ -79,7 +79,7 @@ class TrainCore:
         self.part = part
         self.s = part.trainer
         self.engine: TrainEngine = make_train_engine(part)
-        if self.s.stream_groups:
+        if self.s.stream_groups is True:
             self.streaming()  # refused now, not at the first group
 
     # ------------------------------------------------------------------ one step
@@ -181,6 +181,10 @@ class TrainCore:
         engine = self.streaming()
         engine.accumulate(rollouts)
         return engine.finish_step()
+
+    @property
+    def can_stream(self) -> bool:
+        return isinstance(self.engine, StreamingEngine)
 
     def streaming(self) -> StreamingEngine:
         if not isinstance(self.engine, StreamingEngine):

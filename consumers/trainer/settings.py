@@ -76,8 +76,10 @@ class TrainerSettings(Section):
     # and step the optimizer once `batch_groups` are in, instead of waiting for the whole batch
     # first: the trainer computes while slow environments finish the rest (bench/async.py).
     # The same groups give the same step up to float round-off; StepCompleted records the
-    # micro-batches, so replay takes them the same way. Needs an engine that accumulates (local).
-    stream_groups: bool = False
+    # micro-batches, so replay takes them the same way. true needs an engine that accumulates
+    # (local); "auto" streams where the engine can and the trainer's recent batches came whole
+    # late in their cycle (consumers/trainer/groups.py StreamChoice), else takes whole batches.
+    stream_groups: bool | Literal["auto"] = "auto"
     stop_at_reward: float | None = None  # stop once the mean reward over `reward_window` steps reaches it
     reward_window: int = Field(10, ge=1)
     replay: bool = True

@@ -61,7 +61,14 @@ from jetrl.consumers.trainer.core import (
     checkpoint_version,
     list_checkpoints,
 )
-from jetrl.consumers.trainer.groups import Group, GroupBuffer, Member, StepUnderWay, share_without_signal
+from jetrl.consumers.trainer.groups import (
+    Group,
+    GroupBuffer,
+    Member,
+    StepUnderWay,
+    StreamChoice,
+    share_without_signal,
+)
 from jetrl.consumers.trainer.replay import Replayer, ReplayError, read_rollouts, read_run_log, trained_seqs
 from jetrl.consumers.trainer.settings import TrainerPart
 from jetrl.consumers.trainer.withholding import ScoredDelivery, rollout_consumer_spec, withheld_event
@@ -92,6 +99,10 @@ class Trainer:
         self._task_events: dict[str, str] = {}  # task id -> its TaskSubmitted's event id
         self.buffer = GroupBuffer({(r.tenant, r.env): r.share for r in part.envs})
         self.under_way = StepUnderWay()  # a streaming step's groups so far
+        self.stream_choice = StreamChoice()  # stream_groups = "auto"
+        # When the last step ended, the start of the next step's cycle: None before this
+        # process's first step, whose wait is the run's start-up, not the environments'.
+        self.free_since: float | None = None
         self.routes = routes_by_key(part.envs)
         mcfg = model_config_of(part.model)
         replay_traces = settings.replay and mcfg.is_moe
@@ -574,6 +585,15 @@ class Trainer:
         self.started = self.last_step_end = time.monotonic()
         return consumer
 
+    def streams(self) -> bool:
+        """Whether the next groups go into a step under way (``stream_groups``; "auto": where
+        the engine can and :class:`StreamChoice` says it pays). A step begun streaming is
+        finished streaming."""
+        mode = self.s.stream_groups
+        if self.under_way.groups or mode is True:
+            return True
+        return mode == "auto" and self.core.can_stream and self.stream_choice.streams()
+
     async def train_ready(self, consumer: PullConsumer[ev.RolloutsScored]) -> bool:
         """Withhold the stale ready groups, then take one step if ``batch_groups`` fresh groups
         are ready, filled by the envs' shares; streaming (``stream_groups``), take those ready
@@ -590,7 +610,7 @@ class Trainer:
                 await self.withhold(
                     g, "stale", f"staleness {staleness} > max_off_policy_steps {self.s.max_off_policy_steps}"
                 )
-            if self.s.stream_groups:
+            if self.streams():
                 taken = self.under_way.groups
                 batch = more_groups(
                     ready, taken, self.s.batch_groups, self.buffer.shares, key=_route, rotate=self.version
@@ -613,9 +633,13 @@ class Trainer:
             self.wait_s += wait
             if len(self.under_way.groups) + len(batch) < self.s.batch_groups:
                 await self.accumulate(batch, wait, read)
-            else:
-                await self.step(consumer, batch, wait, read)
+                self.last_step_end = time.monotonic()
+                return True
+            await self.step(consumer, batch, wait, read)
             self.last_step_end = time.monotonic()
+            if self.free_since is not None:
+                self.stream_choice.note(ready_at - self.free_since, self.last_step_end - self.free_since)
+            self.free_since = self.last_step_end
             return True
 
     async def run(self, stop: asyncio.Event) -> int:

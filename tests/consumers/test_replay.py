@@ -113,7 +113,7 @@ async def test_trainer_killed_mid_run_recovers_by_replay(
 ) -> None:
     run_id = "trainerkill-stream" if streaming else "trainerkill"
     steps = 12  # steps after the second kill: a fast machine must not end the run before it
-    extra = STREAMING if streaming else []
+    extra = STREAMING if streaming else ["--trainer.stream_groups", "false"]
     cfg = load_config(
         None, ["--trainer.max_steps", str(steps), "--trainer.ack_wait_s", "2", *OVERRIDES, *extra]
     )

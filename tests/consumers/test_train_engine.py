@@ -121,3 +121,7 @@ def test_an_engine_that_cannot_accumulate_refuses_a_streaming_trainer() -> None:
     settings = TrainerSettings(engine="tests.support.plugins.tally_engine:TallyEngine", stream_groups=True)
     with pytest.raises(ValueError, match="cannot take a step's groups as they come"):
         TrainCore(PART.model_copy(update={"trainer": settings}))
+    # "auto" takes whole batches with it instead.
+    auto = settings.model_copy(update={"stream_groups": "auto"})
+    assert not TrainCore(PART.model_copy(update={"trainer": auto})).can_stream
+    assert TrainCore(PART).can_stream

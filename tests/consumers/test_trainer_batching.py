@@ -4,6 +4,7 @@ real server whose flooding tenant gets only its share while the other has ready 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from jetrl.bus.client import Bus
 from jetrl.bus.payloads import inline_array
 from jetrl.bus.settings import EnvRoute
 from jetrl.consumers.trainer.batching import fill_batch, more_groups, split_slots
-from jetrl.consumers.trainer.groups import share_without_signal
+from jetrl.consumers.trainer.groups import StreamChoice, share_without_signal
 from jetrl.consumers.trainer.settings import TrainerPart, TrainerSettings
 from jetrl.consumers.trainer.trainer import Trainer
 
@@ -105,11 +106,33 @@ def test_a_step_filled_from_nothing_with_enough_ready_is_the_batch_fill_batch_gi
                         assert sum(env_of(g) == k for g in got) <= q
 
 
+def test_the_auto_choice_streams_while_recent_batches_came_whole_late_in_their_cycle() -> None:
+    c = StreamChoice(window=4, threshold=0.1)
+    assert not c.streams()  # no step seen: whole batches
+    c.note(0.0, 1.0)
+    assert not c.streams()
+    c.note(0.5, 1.0)  # mean share 0.25
+    assert c.streams()
+    for _ in range(3):
+        c.note(0.0, 1.0)
+    assert c.streams()  # the last 4: 0.5 / 4 still >= 0.1
+    c.note(0.0, 1.0)  # the late step leaves the window
+    assert not c.streams()
+    c.note(3.0, 0.0)  # a cycle of no length says nothing
+    assert not c.streams()
+    for _ in range(4):
+        c.note(0.2, 2.0)  # exactly the threshold
+    assert c.streams()
+
+
 # ------------------------------------------------------------------------ a trainer on a real server
 
 
-def scored(run_id: str, tenant: str, env: str, n: int, indexes: tuple[int, ...] = (0, 1)) -> ev.Event:
-    """Rollouts ``indexes`` of the tenant's group ``n`` (of 2) in one RolloutsScored."""
+def scored(
+    run_id: str, tenant: str, env: str, n: int, indexes: tuple[int, ...] = (0, 1), version: int = 0
+) -> ev.Event:
+    """Rollouts ``indexes`` of the tenant's group ``n`` (of 2) in one RolloutsScored, sampled by
+    policy ``version``."""
     group = f"{env}.{tenant}.{n}"
     prompt = [1, 2, 3]
     body = ev.RolloutsScored(
@@ -127,8 +150,8 @@ def scored(run_id: str, tenant: str, env: str, n: int, indexes: tuple[int, ...] 
                 completion_tokens=inline_array(np.asarray([4 + i, 5], np.int32)),
                 logprobs=inline_array(np.full(2, -0.5, np.float32)),
                 routing_trace=inline_array(np.broadcast_to(np.asarray([0, 1], np.uint8), (4, 2, 2)).copy()),
-                policy_version_start=0,
-                policy_version_end=0,
+                policy_version_start=version,
+                policy_version_end=version,
             )
             for i in indexes
         ],
@@ -227,6 +250,55 @@ async def test_groups_scored_while_a_step_trains_are_admitted_by_that_step(
     assert not any(g.group_id in ("math.acme.0", "math.acme.1") for g in trainer.buffer.groups.values())
     assert await trainer.train_ready(consumer)
     assert len(trainer.buffer.ready()) == 1
+
+
+async def test_an_auto_trainer_streams_once_its_batches_come_late_in_their_cycle(
+    bus: Bus, run_id: str, tmp_path: Path
+) -> None:
+    # stream_groups = "auto" (the default): whole batches while each is ready when the trainer
+    # is free; a batch that comes whole late in the step's cycle turns streaming on, and the
+    # next step takes its groups as they come.
+    part = TrainerPart(
+        trainer=TrainerSettings(batch_groups=2, max_steps=10, checkpoint_every=0),
+        envs=[EnvRoute(tenant="acme", env="math", group_size=2)],
+    )
+    assert part.trainer.stream_groups == "auto"
+    trainer = Trainer(bus, run_id, part, tmp_path)
+    consumer = await trainer.start()
+
+    async def arrive(*groups: int) -> None:
+        for n in groups:
+            await bus.publish(scored(run_id, "acme", "math", n, version=trainer.version))
+        want = len(trainer.buffer.ready()) + len(groups)
+        for _ in range(200):
+            for d in await consumer.fetch(64, timeout=0.5):
+                await trainer.admit(consumer, d)
+            if len(trainer.buffer.ready()) >= want:
+                return
+        raise AssertionError(f"groups {groups} not admitted")
+
+    await arrive(0, 1, 2, 3)
+    assert await trainer.train_ready(consumer)  # step 0: this process's first (its wait is start-up)
+    assert await trainer.train_ready(consumer)  # step 1: its batch ready the moment the trainer was free
+    assert trainer.version == 2 and not trainer.streams()
+    assert not await trainer.train_ready(consumer)  # nothing ready: the trainer is free, waiting
+    await asyncio.sleep(0.5)
+    await arrive(4, 5)
+    assert await trainer.train_ready(consumer)  # step 2: its batch whole late in its cycle
+    assert trainer.version == 3 and trainer.streams()
+    await arrive(6)
+    assert await trainer.train_ready(consumer)  # into step 3, under way
+    assert trainer.version == 3 and [g.group_id for g in trainer.under_way.groups] == ["math.acme.6"]
+    await arrive(7)
+    assert await trainer.train_ready(consumer)
+    assert trainer.version == 4 and not trainer.under_way.groups
+    log = await bus.read_log(run_id)
+    split = {
+        i.event.body.step: i.event.body.micro_batches
+        for i in log
+        if i.event and isinstance(i.event.body, ev.StepCompleted)
+    }
+    assert split == {0: [], 1: [], 2: [], 3: [2, 2]}
 
 
 def test_the_share_of_groups_without_signal_counts_those_whose_rewards_are_all_equal() -> None:

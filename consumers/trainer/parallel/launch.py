@@ -39,8 +39,8 @@ class TorchrunLaunch(TrainLaunch):
 
     def check(self, trainer: TrainerSettings) -> None:
         # Any world size (ParallelismSettings refuses what no rank can run); the ranks take a
-        # step's batch at once.
-        if trainer.stream_groups:
+        # step's batch at once ("auto" takes whole batches here).
+        if trainer.stream_groups is True:
             raise ValueError(
                 f"train engine {trainer.engine_name!r} takes each step's batch at once: "
                 "[trainer] stream_groups needs the local engine"

@@ -39,3 +39,5 @@ def test_a_streaming_trainer_is_refused_where_the_engine_takes_each_batch_at_onc
     assert TrainerSettings(stream_groups=True).engine_name == "local"
     with pytest.raises(ValidationError, match="stream_groups needs the local engine"):
         TrainerSettings(stream_groups=True, parallelism=ParallelismSettings(dp_shard=2))
+    # "auto" (the default) streams only where the engine can: whole batches here, not an error.
+    assert TrainerSettings(parallelism=ParallelismSettings(dp_shard=2)).stream_groups == "auto"
