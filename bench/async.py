@@ -53,6 +53,7 @@ class ModeFigures:
     staleness: float | None
     reward: float | None
     withheld: int
+    streamed: int = 0  # steps the trainer took as their groups came ([trainer] stream_groups)
 
     def too_few(self) -> str:
         """Why a figure is missing, for the lines that would have shown it."""
@@ -79,6 +80,7 @@ def mode_figures(steps: list[dict[str, float]], seconds: float) -> ModeFigures:
         staleness=sum(s.get("staleness_mean", 0.0) for s in steps) / len(steps) if steps else None,
         reward=sum(s.get("reward_mean", 0.0) for s in last) / len(last) if last else None,
         withheld=int(steps[-1].get("withheld_total", 0)) if steps else 0,
+        streamed=int(sum(s.get("streamed", 0.0) for s in steps)),
     )
 
 
@@ -245,7 +247,7 @@ def main() -> None:
             print(
                 f"max_off_policy_steps={k}: {r.steps} steps, {rate}, trainer idle {idle}, "
                 f"staleness {_num(r.staleness, '.2f', 0)}, reward {_num(r.reward, '.3f', 0)}, "
-                f"withheld {r.withheld}",
+                f"withheld {r.withheld}, streamed {r.streamed} of {r.steps} steps",
                 flush=True,
             )
             print(f"  {latency_line(k, r, lat)}", flush=True)

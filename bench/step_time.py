@@ -117,6 +117,8 @@ def main() -> None:
             f"waiting for rollouts {wait_s * 1e3:.1f} ms, "
             f"publishing and admitting {rest_s * 1e3:.1f} ms a step"
         )
+        streamed = int(sum(m.get("streamed", 0.0) for m in sup.progress.steps))
+        print(f"  steps taken as their groups came ([trainer] stream_groups): {streamed} of {s1}")
     loop = None
     if args.loop:
         with tempfile.TemporaryDirectory() as tmp:

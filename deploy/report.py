@@ -77,7 +77,9 @@ class RunReport:
         return out
 
     def add(self, step: ev.StepCompleted, t: float) -> None:
-        self.steps.append(dict(step.metrics, step=step.step, tokens=step.tokens, t=t))
+        # streamed: 1.0 for a step the trainer took as its groups came (``stream_groups``).
+        streamed = 1.0 if step.micro_batches else 0.0
+        self.steps.append(dict(step.metrics, step=step.step, tokens=step.tokens, t=t, streamed=streamed))
         reward = step.metrics.get("reward_mean", 0.0)
         for key, value in step.metrics.items():
             if key.startswith(PART_PREFIX) and key not in TRAINER_REWARD_KEYS:
@@ -129,6 +131,7 @@ class RunReport:
             staleness_mean=round(_mean(steps, "staleness_mean"), 3),
             trainer_idle_frac=round(steps[-1].get("trainer_idle_frac", 0.0), 3),
             withheld=int(steps[-1].get("withheld_total", 0)),
+            streamed_steps=int(sum(s["streamed"] for s in steps)),
         )
         return out
 

@@ -10,7 +10,7 @@ from jetrl.deploy.report import RunReport
 from tests.support.report_bodies import evaluation
 
 
-def step(n: int, mean: float, **parts: float) -> ev.StepCompleted:
+def step(n: int, mean: float, micro_batches: list[int] | None = None, **parts: float) -> ev.StepCompleted:
     metrics = {
         "reward_mean": mean,
         "reward_max": 1.0,
@@ -19,7 +19,14 @@ def step(n: int, mean: float, **parts: float) -> ev.StepCompleted:
         "withheld_total": 272.0,
         **{f"reward_{k}": v for k, v in parts.items()},
     }
-    return ev.StepCompleted(step=n, policy_version=n + 1, rollout_ids=[], metrics=metrics, tokens=500)
+    return ev.StepCompleted(
+        step=n,
+        policy_version=n + 1,
+        rollout_ids=[],
+        metrics=metrics,
+        tokens=500,
+        micro_batches=micro_batches or [],
+    )
 
 
 def demo_like(n_steps: int = 12) -> RunReport:
@@ -62,8 +69,17 @@ def test_summary_has_a_last10_per_shown_part() -> None:
         "staleness_mean": 1.0,
         "trainer_idle_frac": 0.22,
         "withheld": 272,
+        "streamed_steps": 0,
     }
     assert RunReport().summary() == {"steps": 0}
+
+
+def test_summary_counts_the_steps_taken_as_their_groups_came() -> None:
+    report = RunReport()
+    for n, split in enumerate([[], [32, 16], [], [16, 16, 16]]):
+        report.add(step(n, 0.5, micro_batches=split), t=1.0 + n)
+    assert report.summary()["streamed_steps"] == 2
+    assert [s["streamed"] for s in report.steps] == [0.0, 1.0, 0.0, 1.0]
 
 
 def test_a_part_named_reward_does_not_overwrite_the_mean() -> None:
