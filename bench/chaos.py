@@ -83,6 +83,7 @@ class ChaosResult(TypedDict):
     status: int
     steps: int
     steps_contiguous: bool
+    streamed: int  # steps taken as their groups came ([trainer] stream_groups)
     injected: list[tuple[str, float, int]]  # (victim, time, steps done at the kill)
     recovery: dict[str, list[float]]  # seconds from a kill to the next step, per kind of part
     scored: int
@@ -177,6 +178,7 @@ async def chaos(root: Path, steps: int, kills: int, seed: int, over: list[str] |
         "steps": len({s.step for s in step_bodies}),
         "steps_contiguous": sorted({s.step for s in step_bodies})
         == list(range(len({s.step for s in step_bodies}))),
+        "streamed": len({s.step for s in step_bodies if s.micro_batches}),
         "injected": injected,
         "recovery": recovery,
         "scored": len(scored),
@@ -249,7 +251,7 @@ def main() -> None:
     wall = time.perf_counter() - t0
     print()
     print(
-        f"run: {r['steps']} steps (contiguous: {r['steps_contiguous']}), "
+        f"run: {r['steps']} steps (contiguous: {r['steps_contiguous']}, {r['streamed']} streamed), "
         f"status code {r['status']}, {wall:.0f}s"
     )
     print(

@@ -87,6 +87,7 @@ def chaos_result(**over: object) -> dict[str, object]:
         "status": 0,
         "steps": 0,
         "steps_contiguous": True,
+        "streamed": 0,
         "injected": [],
         "recovery": {},
         "scored": 0,
