@@ -105,22 +105,20 @@ class StepUnderWay:
 
 class StreamChoice:
     """Whether a trainer with ``stream_groups = "auto"`` streams its next step: while, over its
-    last ``window`` steps, a step's batch came whole ``threshold`` or more of the way into the
-    step's cycle (from the trainer being free for it to its step logged). That part of the cycle
-    is where streaming computes instead of waiting (environments slower than the trainer); a
-    batch whole at once, or nearly (the trainer sets the pace), gains nothing from it and pays a
-    micro-batch's fixed cost a split (docs/running.md, "Streaming groups"). How late the
-    batch came is measured the same way either way (when its last group was found ready), so
-    the choice does not undo its own evidence."""
+    last ``window`` steps, a step's batch was still not whole ``threshold`` or more of the way
+    into the step's cycle (from the trainer being free for it to its step logged). That part of
+    the cycle is where streaming computes instead of waiting (environments slower than the
+    trainer); a batch whole at once, or nearly (the trainer sets the pace), gains nothing from
+    it and pays a micro-batch's fixed cost a split (docs/running.md, "Streaming groups")."""
 
     def __init__(self, window: int = 8, threshold: float = 0.1) -> None:
         self.threshold = threshold
         self.shares: deque[float] = deque(maxlen=window)
 
-    def note(self, whole_after_s: float, cycle_s: float) -> None:
-        """A step: its batch whole ``whole_after_s`` into a cycle of ``cycle_s``."""
+    def note(self, incomplete_s: float, cycle_s: float) -> None:
+        """A step: its batch last seen incomplete ``incomplete_s`` into a cycle of ``cycle_s``."""
         if cycle_s > 0:
-            self.shares.append(min(max(whole_after_s / cycle_s, 0.0), 1.0))
+            self.shares.append(min(max(incomplete_s / cycle_s, 0.0), 1.0))
 
     def streams(self) -> bool:
         return bool(self.shares) and sum(self.shares) / len(self.shares) >= self.threshold

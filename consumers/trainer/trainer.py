@@ -103,6 +103,8 @@ class Trainer:
         # When the last step ended, the start of the next step's cycle: None before this
         # process's first step, whose wait is the run's start-up, not the environments'.
         self.free_since: float | None = None
+        # The last time this cycle the trainer found its next batch not yet whole.
+        self.incomplete_at: float | None = None
         self.routes = routes_by_key(part.envs)
         mcfg = model_config_of(part.model)
         replay_traces = settings.replay and mcfg.is_moe
@@ -616,8 +618,10 @@ class Trainer:
                     ready, taken, self.s.batch_groups, self.buffer.shares, key=_route, rotate=self.version
                 )
                 if not batch:
+                    self.incomplete_at = time.monotonic()
                     return False
             elif len(ready) < self.s.batch_groups:
+                self.incomplete_at = time.monotonic()
                 return False
             else:
                 batch = fill_batch(
@@ -632,15 +636,25 @@ class Trainer:
             wait, read = ready_at - self.last_step_end, time.monotonic() - ready_at
             self.wait_s += wait
             if len(self.under_way.groups) + len(batch) < self.s.batch_groups:
+                self.incomplete_at = ready_at
                 await self.accumulate(batch, wait, read)
-                self.last_step_end = time.monotonic()
-                return True
-            await self.step(consumer, batch, wait, read)
+            else:
+                await self.step(consumer, batch, wait, read)
             self.last_step_end = time.monotonic()
-            if self.free_since is not None:
-                self.stream_choice.note(ready_at - self.free_since, self.last_step_end - self.free_since)
-            self.free_since = self.last_step_end
+            if not self.under_way.groups:  # a step was taken: its cycle is over
+                self.note_cycle()
             return True
+
+    def note_cycle(self) -> None:
+        """The step just taken, for ``stream_groups = "auto"``: how far into its cycle the trainer
+        last found its batch not yet whole. Not when the batch was found whole: a streaming
+        trainer finds the last groups only after the micro-batch it was computing when they came,
+        which would keep it streaming where whole batches would not have waited."""
+        start, end = self.free_since, self.last_step_end
+        if start is not None:
+            late = self.incomplete_at - start if self.incomplete_at is not None else 0.0
+            self.stream_choice.note(late, end - start)
+        self.free_since, self.incomplete_at = end, None
 
     async def run(self, stop: asyncio.Event) -> int:
         consumer = await self.start()

@@ -283,6 +283,7 @@ async def test_an_auto_trainer_streams_once_its_batches_come_late_in_their_cycle
     assert trainer.version == 2 and not trainer.streams()
     assert not await trainer.train_ready(consumer)  # nothing ready: the trainer is free, waiting
     await asyncio.sleep(0.5)
+    assert not await trainer.train_ready(consumer)  # still waiting half a second in (it polls)
     await arrive(4, 5)
     assert await trainer.train_ready(consumer)  # step 2: its batch whole late in its cycle
     assert trainer.version == 3 and trainer.streams()
