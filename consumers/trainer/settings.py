@@ -78,7 +78,8 @@ class TrainerSettings(Section):
     # The same groups give the same step up to float round-off; StepCompleted records the
     # micro-batches, so replay takes them the same way. true needs an engine that accumulates
     # (local); "auto" streams where the engine can and the trainer's recent batches were still
-    # incomplete late into their steps (consumers/trainer/groups.py StreamChoice), else takes whole batches.
+    # incomplete late into their steps (consumers/trainer/groups.py StreamChoice), else it
+    # takes whole batches.
     stream_groups: bool | Literal["auto"] = "auto"
     stop_at_reward: float | None = None  # stop once the mean reward over `reward_window` steps reaches it
     reward_window: int = Field(10, ge=1)

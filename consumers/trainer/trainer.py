@@ -612,21 +612,19 @@ class Trainer:
                 await self.withhold(
                     g, "stale", f"staleness {staleness} > max_off_policy_steps {self.s.max_off_policy_steps}"
                 )
+            batch: list[Group] = []
             if self.streams():
                 taken = self.under_way.groups
                 batch = more_groups(
                     ready, taken, self.s.batch_groups, self.buffer.shares, key=_route, rotate=self.version
                 )
-                if not batch:
-                    self.incomplete_at = time.monotonic()
-                    return False
-            elif len(ready) < self.s.batch_groups:
-                self.incomplete_at = time.monotonic()
-                return False
-            else:
+            elif len(ready) >= self.s.batch_groups:
                 batch = fill_batch(
                     ready, self.s.batch_groups, self.buffer.shares, key=_route, rotate=self.version
                 )
+            if not batch:
+                self.incomplete_at = time.monotonic()
+                return False
             ready_at = ready_at or time.monotonic()
             if not await self.vet(consumer, batch):
                 continue  # a group was rejected: fill the batch again from what is left

@@ -106,7 +106,7 @@ def test_a_step_filled_from_nothing_with_enough_ready_is_the_batch_fill_batch_gi
                         assert sum(env_of(g) == k for g in got) <= q
 
 
-def test_the_auto_choice_streams_while_recent_batches_came_whole_late_in_their_cycle() -> None:
+def test_the_auto_choice_streams_while_recent_batches_were_incomplete_late_in_their_cycle() -> None:
     c = StreamChoice(window=4, threshold=0.1)
     assert not c.streams()  # no step seen: whole batches
     c.note(0.0, 1.0)
@@ -252,11 +252,11 @@ async def test_groups_scored_while_a_step_trains_are_admitted_by_that_step(
     assert len(trainer.buffer.ready()) == 1
 
 
-async def test_an_auto_trainer_streams_once_its_batches_come_late_in_their_cycle(
+async def test_an_auto_trainer_streams_once_a_batch_is_still_incomplete_late_in_its_cycle(
     bus: Bus, run_id: str, tmp_path: Path
 ) -> None:
     # stream_groups = "auto" (the default): whole batches while each is ready when the trainer
-    # is free; a batch that comes whole late in the step's cycle turns streaming on, and the
+    # is free; a batch still incomplete late in the step's cycle turns streaming on, and the
     # next step takes its groups as they come.
     part = TrainerPart(
         trainer=TrainerSettings(batch_groups=2, max_steps=10, checkpoint_every=0),
@@ -285,7 +285,7 @@ async def test_an_auto_trainer_streams_once_its_batches_come_late_in_their_cycle
     await asyncio.sleep(0.5)
     assert not await trainer.train_ready(consumer)  # still waiting half a second in (it polls)
     await arrive(4, 5)
-    assert await trainer.train_ready(consumer)  # step 2: its batch whole late in its cycle
+    assert await trainer.train_ready(consumer)  # step 2: its batch incomplete until late in its cycle
     assert trainer.version == 3 and trainer.streams()
     await arrive(6)
     assert await trainer.train_ready(consumer)  # into step 3, under way
