@@ -66,12 +66,15 @@ def one_process(
     curve: list[float] | None = None,
     sample_seed: int | None = None,
     on_step: Callable[[torch.Tensor, dict[str, float]], None] | None = None,
+    phase_cpu: dict[str, float] | None = None,
 ) -> tuple[float | None, int]:
     """Seconds to the reward target (None if not reached) and the steps taken. ``lag``: each
     batch sampled by the version ``lag`` steps old (bench/offpolicy.py), not the newest;
     ``curve`` collects each step's mean reward; ``sample_seed``: the tasks' and the sampler's
     seed, where it is not the run's (the model's init stays the run seed's: bench/stall.py);
-    ``on_step``: called with each step's rewards ``[groups, group_size]`` and its metrics."""
+    ``on_step``: called with each step's rewards ``[groups, group_size]`` and its metrics;
+    ``phase_cpu``: this thread's CPU seconds in sampling and in the train call, added up under
+    "sample" and "train" (all of a phase's CPU on one torch thread: bench/step_time.py)."""
     t0 = time.perf_counter()
     part = cfg.trainer_part(root)
     part = part.model_copy(update={"trainer": part.trainer.model_copy(update={"threads": threads})})
@@ -101,7 +104,9 @@ def one_process(
             top_p=cfg.inference.top_p,
             stop_token_ids=tok.stop_ids,
         )
+        c0 = time.thread_time()
         gens = generate(sampler, prompts, sampling, generator=generator)
+        c1 = time.thread_time()
         rewards = torch.tensor(
             [
                 env.score(tasks[i // env_cfg.group_size].info, g.completion_ids).reward
@@ -111,12 +116,15 @@ def one_process(
         )
         groups = torch.arange(len(gens)) // env_cfg.group_size
         adv = group_advantages(rewards, groups, std_scale=cfg.trainer.std_scale_advantages)
-        metrics = engine.step(
-            [
-                Rollout(g.prompt_ids, g.completion_ids, g.logprobs, float(adv[i]), routing=g.routing)
-                for i, g in enumerate(gens)
-            ]
-        )
+        batch = [
+            Rollout(g.prompt_ids, g.completion_ids, g.logprobs, float(adv[i]), routing=g.routing)
+            for i, g in enumerate(gens)
+        ]
+        c2 = time.thread_time()
+        metrics = engine.step(batch)
+        if phase_cpu is not None:
+            phase_cpu["sample"] = phase_cpu.get("sample", 0.0) + c1 - c0
+            phase_cpu["train"] = phase_cpu.get("train", 0.0) + time.thread_time() - c2
         if on_step is not None:
             on_step(rewards.view(-1, env_cfg.group_size), metrics)
         if not lag:

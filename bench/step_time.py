@@ -18,6 +18,13 @@ take on this machine however they were scheduled. A floor above the loop's step 
 pipeline must spend less, not only overlap more, to beat the loop; the trainer's CPU a step
 above it, that the trainer's own process must.
 
+The model's own work, measured in the same run: the loop again on one torch thread, its
+sampling's and its train calls' CPU a step (the code the worker and the trainer run, each on
+one thread). jetrl's CPU less that work is the pipeline's own (events, the bus, reading
+arrays, weights, scoring, the monitor, the nats-server); the most it may spend for a step as
+fast as the loop's is the cores' time in the loop's step less the model's work, all of it
+perfectly packed.
+
     python bench/step_time.py [--steps 200] [--from-step 20] [--no-loop] [-- --inference.workers 1]
 """
 
@@ -119,7 +126,7 @@ def main() -> None:
         )
         streamed = int(sum(m.get("streamed", 0.0) for m in sup.progress.steps))
         print(f"  steps taken as their groups came ([trainer] stream_groups): {streamed} of {s1}")
-    loop = None
+    loop = work = None
     if args.loop:
         with tempfile.TemporaryDirectory() as tmp:
             print(f"running the same {args.steps} steps in one process (the baseline)...", flush=True)
@@ -128,6 +135,14 @@ def main() -> None:
             print(
                 f"the one-process loop, steps {args.from_step}..{args.steps} ({LOOP_THREADS} torch threads): "
                 f"{loop.wall_s * 1e3:.1f} ms a step, {loop.cpu_s * 1e3:.1f} ms CPU a step"
+            )
+        with tempfile.TemporaryDirectory() as tmp:
+            print("the same steps on one torch thread, timing the model's work...", flush=True)
+            work = model_work(cfg, Path(tmp), args.from_step)
+        if work is not None:
+            print(
+                f"the model's work a step, one thread each: sampling {work.sample_s * 1e3:.1f} ms, "
+                f"the train call {work.train_s * 1e3:.1f} ms, {work.total_s * 1e3:.1f} ms in all"
             )
     print()
     print(
@@ -146,8 +161,44 @@ def main() -> None:
                 f"trainer jetrl/one-process {trainer:.2f}x (the trainer's CPU a step, "
                 "on its one core, against the loop's whole step)"
             )
+        if work is not None:
+            own = total / n - work.total_s
+            allowed = cores * loop.wall_s - work.total_s
+            verdict = (
+                f"{own / allowed:.2f}x of it" if allowed > 0 else "none: the model's work fills the cores"
+            )
+            print(
+                f"pipeline's own CPU {own * 1e3:.1f} ms a step (jetrl's CPU less the model's work), "
+                f"allowed {allowed * 1e3:.1f} ms for the loop's step time: {verdict} (target <= 1.0)"
+            )
     elif args.loop:
         print("step time jetrl/one-process: the loop took too few steps to time")
+
+
+class ModelWork(NamedTuple):
+    sample_s: float  # the sampling's CPU a step, one torch thread
+    train_s: float  # the train call's CPU a step, one torch thread
+
+    @property
+    def total_s(self) -> float:
+        return self.sample_s + self.train_s
+
+
+def model_work(cfg: RunConfig, root: Path, from_step: int) -> ModelWork | None:
+    """The loop on one torch thread over the run's steps: its sampling's and its train calls'
+    CPU a step from step ``from_step`` (None with too few steps)."""
+    phases: dict[str, float] = {}
+    marks: list[tuple[float, float]] = []
+
+    def on_step(rewards: object, metrics: object) -> None:
+        marks.append((phases["sample"], phases["train"]))
+
+    one_process(cfg, root, 1, on_step=on_step, phase_cpu=phases)
+    timed = marks[from_step - 1 :] if from_step >= 1 else marks
+    if len(timed) < 2:
+        return None
+    n = len(timed) - 1
+    return ModelWork((timed[-1][0] - timed[0][0]) / n, (timed[-1][1] - timed[0][1]) / n)
 
 
 class LoopStep(NamedTuple):
