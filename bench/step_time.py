@@ -25,7 +25,8 @@ arrays, weights, scoring, the monitor, the nats-server); the most it may spend f
 fast as the loop's is the cores' time in the loop's step less the model's work, all of it
 perfectly packed.
 
-    python bench/step_time.py [--steps 200] [--from-step 20] [--no-loop] [-- --inference.workers 1]
+    python bench/step_time.py [--steps 200] [--from-step 20] [--rounds 3] [--no-loop]
+                              [-- --inference.workers 1]
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -86,26 +88,28 @@ async def run(sup: Supervisor, from_step: int) -> tuple[dict[str, float], float,
     return used, t1 - t0, s0, s1
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--from-step", type=int, default=20)
-    ap.add_argument("--recorder", action="store_true")
-    ap.add_argument("--no-loop", dest="loop", action="store_false", help="skip the one-process baseline")
-    ap.add_argument("over", nargs="*", help="config overrides, after --")
-    args = ap.parse_args()
-    configure("warning")
-    over = ["--trainer.max_steps", str(args.steps), "--trainer.stop_at_reward", "2.0"]
-    over += ["--store.recorder", "true" if args.recorder else "false", *args.over]
-    cfg = load_config(ROOT / "configs" / "demo.toml", over)
-    cores = os.cpu_count() or 1
+class Round(NamedTuple):
+    """One round's headline figures, a step's: jetrl's wall and CPU, the loop's wall, the
+    trainer's CPU, and the model's work (None where not measured)."""
+
+    wall_s: float
+    cpu_s: float
+    trainer_s: float | None
+    loop_s: float | None
+    work_s: float | None
+
+
+def jetrl_round(
+    cfg: RunConfig, steps: int, from_step: int, over: list[str], cores: int
+) -> tuple[float, float, float | None]:
+    """The demo under `jetrl run`, its figures printed; wall, CPU and the trainer's CPU a step."""
     with tempfile.TemporaryDirectory() as tmp:
-        print(f"running the demo for {args.steps} steps (jetrl run, each part a process)...", flush=True)
+        print(f"running the demo for {steps} steps (jetrl run, each part a process)...", flush=True)
         sup = Supervisor(cfg, "steptime", Path(tmp) / "steptime", quiet=True)
-        used, wall, s0, s1 = asyncio.run(run(sup, args.from_step))
+        used, wall, s0, s1 = asyncio.run(run(sup, from_step))
         metrics = sup.progress.steps[s0:s1]
     n = max(s1 - s0, 1)
-    print(f"the demo, steps {s0}..{s1} ({n} steps), {cores} cores, overrides {args.over or 'none'}")
+    print(f"the demo, steps {s0}..{s1} ({n} steps), {cores} cores, overrides {over or 'none'}")
     print(f"  wall                 {wall / n * 1e3:8.1f} ms a step ({n / wall:.1f} steps/s)")
     for name, s in sorted(used.items(), key=lambda kv: -kv[1]):
         print(f"  {name:<20} {s / n * 1e3:8.1f} ms CPU a step")
@@ -126,53 +130,108 @@ def main() -> None:
         )
         streamed = int(sum(m.get("streamed", 0.0) for m in sup.progress.steps))
         print(f"  steps taken as their groups came ([trainer] stream_groups): {streamed} of {s1}")
-    loop = work = None
-    if args.loop:
-        with tempfile.TemporaryDirectory() as tmp:
-            print(f"running the same {args.steps} steps in one process (the baseline)...", flush=True)
-            loop = loop_step(cfg, Path(tmp), args.from_step, LOOP_THREADS)
-        if loop is not None:
-            print(
-                f"the one-process loop, steps {args.from_step}..{args.steps} ({LOOP_THREADS} torch threads): "
-                f"{loop.wall_s * 1e3:.1f} ms a step, {loop.cpu_s * 1e3:.1f} ms CPU a step"
+    trainer = used["trainer"] / n if "trainer" in used else None
+    return wall / n, total / n, trainer
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--from-step", type=int, default=20)
+    ap.add_argument("--recorder", action="store_true")
+    ap.add_argument("--no-loop", dest="loop", action="store_false", help="skip the one-process baseline")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="jetrl, the loop and the model's work measured this many times, one after another: "
+        "the summary is of the rounds' medians (this machine's speed drifts within minutes)",
+    )
+    ap.add_argument("over", nargs="*", help="config overrides, after --")
+    args = ap.parse_args()
+    configure("warning")
+    over = ["--trainer.max_steps", str(args.steps), "--trainer.stop_at_reward", "2.0"]
+    over += ["--store.recorder", "true" if args.recorder else "false", *args.over]
+    cfg = load_config(ROOT / "configs" / "demo.toml", over)
+    cores = os.cpu_count() or 1
+    rounds: list[Round] = []
+    for r in range(max(args.rounds, 1)):
+        if args.rounds > 1:
+            print(f"--- round {r + 1} of {args.rounds}")
+        wall, cpu, trainer = jetrl_round(cfg, args.steps, args.from_step, args.over, cores)
+        loop = work = None
+        if args.loop:
+            with tempfile.TemporaryDirectory() as tmp:
+                print(f"running the same {args.steps} steps in one process (the baseline)...", flush=True)
+                loop = loop_step(cfg, Path(tmp), args.from_step, LOOP_THREADS)
+            if loop is not None:
+                print(
+                    f"the one-process loop, steps {args.from_step}..{args.steps} ({LOOP_THREADS} torch "
+                    f"threads): {loop.wall_s * 1e3:.1f} ms a step, {loop.cpu_s * 1e3:.1f} ms CPU a step"
+                )
+            with tempfile.TemporaryDirectory() as tmp:
+                print("the same steps on one torch thread, timing the model's work...", flush=True)
+                work = model_work(cfg, Path(tmp), args.from_step)
+            if work is not None:
+                print(
+                    f"the model's work a step, one thread each: sampling {work.sample_s * 1e3:.1f} ms, "
+                    f"the train call {work.train_s * 1e3:.1f} ms, {work.total_s * 1e3:.1f} ms in all"
+                )
+        rounds.append(
+            Round(
+                wall,
+                cpu,
+                trainer,
+                None if loop is None else loop.wall_s,
+                None if work is None else work.total_s,
             )
-        with tempfile.TemporaryDirectory() as tmp:
-            print("the same steps on one torch thread, timing the model's work...", flush=True)
-            work = model_work(cfg, Path(tmp), args.from_step)
-        if work is not None:
-            print(
-                f"the model's work a step, one thread each: sampling {work.sample_s * 1e3:.1f} ms, "
-                f"the train call {work.train_s * 1e3:.1f} ms, {work.total_s * 1e3:.1f} ms in all"
-            )
+        )
+    summarise(rounds, cores, args.loop)
+
+
+def _median(xs: list[float | None]) -> float | None:
+    got = [x for x in xs if x is not None]
+    return statistics.median(got) if got else None
+
+
+def summarise(rounds: list[Round], cores: int, with_loop: bool) -> None:
+    """The headline lines: medians over the rounds of each round's figure (a ratio is taken
+    within its round, whose parts ran minutes apart at most)."""
+    of = f" (median of {len(rounds)} rounds)" if len(rounds) > 1 else ""
+    wall = statistics.median(r.wall_s for r in rounds)
+    cpu = statistics.median(r.cpu_s for r in rounds)
     print()
     print(
-        f"step time {wall / n * 1e3:.1f} ms, CPU {total / n * 1e3:.1f} ms a step ({share:.0%} of the cores)"
+        f"step time {wall * 1e3:.1f} ms, CPU {cpu * 1e3:.1f} ms a step "
+        f"({cpu / wall / cores:.0%} of the cores){of}"
     )
-    if loop is not None:
-        floor = total / n / cores
-        print(f"step time jetrl/one-process {wall / n / loop.wall_s:.2f}x (target <= 1.0x)")
+    timed = [r for r in rounds if r.loop_s is not None]
+    if not timed:
+        if with_loop:
+            print("step time jetrl/one-process: the loop took too few steps to time")
+        return
+    ratio = _median([r.wall_s / r.loop_s for r in timed if r.loop_s])
+    floor = _median([r.cpu_s / cores / r.loop_s for r in timed if r.loop_s])
+    print(f"step time jetrl/one-process {ratio:.2f}x (target <= 1.0x){of}")
+    print(
+        f"floor jetrl/one-process {floor:.2f}x (jetrl's CPU a step over {cores} cores against the loop's "
+        f"step: the least a step could take; above 1.0x no scheduling meets the target){of}"
+    )
+    trainer = _median([r.trainer_s / r.loop_s for r in timed if r.trainer_s is not None and r.loop_s])
+    if trainer is not None:
         print(
-            f"floor jetrl/one-process {floor / loop.wall_s:.2f}x (jetrl's CPU a step over {cores} cores, "
-            f"{floor * 1e3:.1f} ms: the least a step could take; above 1.0x no scheduling meets the target)"
+            f"trainer jetrl/one-process {trainer:.2f}x (the trainer's CPU a step, on its one core, "
+            f"against the loop's whole step){of}"
         )
-        if "trainer" in used:
-            trainer = used["trainer"] / n / loop.wall_s
-            print(
-                f"trainer jetrl/one-process {trainer:.2f}x (the trainer's CPU a step, "
-                "on its one core, against the loop's whole step)"
-            )
-        if work is not None:
-            own = total / n - work.total_s
-            allowed = cores * loop.wall_s - work.total_s
-            verdict = (
-                f"{own / allowed:.2f}x of it" if allowed > 0 else "none: the model's work fills the cores"
-            )
-            print(
-                f"pipeline's own CPU {own * 1e3:.1f} ms a step (jetrl's CPU less the model's work), "
-                f"allowed {allowed * 1e3:.1f} ms for the loop's step time: {verdict} (target <= 1.0)"
-            )
-    elif args.loop:
-        print("step time jetrl/one-process: the loop took too few steps to time")
+    worked = [r for r in timed if r.work_s is not None and r.loop_s]
+    if worked:
+        own = _median([r.cpu_s - (r.work_s or 0.0) for r in worked]) or 0.0
+        allowed = _median([cores * (r.loop_s or 0.0) - (r.work_s or 0.0) for r in worked]) or 0.0
+        verdict = f"{own / allowed:.2f}x of it" if allowed > 0 else "none: the model's work fills the cores"
+        print(
+            f"pipeline's own CPU {own * 1e3:.1f} ms a step (jetrl's CPU less the model's work), "
+            f"allowed {allowed * 1e3:.1f} ms for the loop's step time: {verdict} (target <= 1.0){of}"
+        )
 
 
 class ModelWork(NamedTuple):
