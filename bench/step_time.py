@@ -23,7 +23,9 @@ sampling's and its train calls' CPU a step (the code the worker and the trainer 
 one thread). jetrl's CPU less that work is the pipeline's own (events, the bus, reading
 arrays, weights, scoring, the monitor, the nats-server); the most it may spend for a step as
 fast as the loop's is the cores' time in the loop's step less the model's work, all of it
-perfectly packed.
+perfectly packed. ``--rounds N`` measures the three N times, one after another, and the summary
+takes the medians of each round's figures: a ratio is only taken within a round (this
+machine's speed drifts by a quarter within minutes).
 
     python bench/step_time.py [--steps 200] [--from-step 20] [--rounds 3] [--no-loop]
                               [-- --inference.workers 1]
