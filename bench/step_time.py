@@ -191,9 +191,8 @@ def main() -> None:
     summarise(rounds, cores, args.loop)
 
 
-def _median(xs: list[float | None]) -> float | None:
-    got = [x for x in xs if x is not None]
-    return statistics.median(got) if got else None
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
 
 
 def summarise(rounds: list[Round], cores: int, with_loop: bool) -> None:
@@ -207,28 +206,28 @@ def summarise(rounds: list[Round], cores: int, with_loop: bool) -> None:
         f"step time {wall * 1e3:.1f} ms, CPU {cpu * 1e3:.1f} ms a step "
         f"({cpu / wall / cores:.0%} of the cores){of}"
     )
-    timed = [r for r in rounds if r.loop_s is not None]
+    timed = [(r, r.loop_s) for r in rounds if r.loop_s]  # the rounds with a baseline
     if not timed:
         if with_loop:
             print("step time jetrl/one-process: the loop took too few steps to time")
         return
-    ratio = _median([r.wall_s / r.loop_s for r in timed if r.loop_s])
-    floor = _median([r.cpu_s / cores / r.loop_s for r in timed if r.loop_s])
+    ratio = statistics.median(r.wall_s / loop for r, loop in timed)
+    floor = statistics.median(r.cpu_s / cores / loop for r, loop in timed)
     print(f"step time jetrl/one-process {ratio:.2f}x (target <= 1.0x){of}")
     print(
         f"floor jetrl/one-process {floor:.2f}x (jetrl's CPU a step over {cores} cores against the loop's "
         f"step: the least a step could take; above 1.0x no scheduling meets the target){of}"
     )
-    trainer = _median([r.trainer_s / r.loop_s for r in timed if r.trainer_s is not None and r.loop_s])
+    trainer = _median([r.trainer_s / loop for r, loop in timed if r.trainer_s is not None])
     if trainer is not None:
         print(
             f"trainer jetrl/one-process {trainer:.2f}x (the trainer's CPU a step, on its one core, "
             f"against the loop's whole step){of}"
         )
-    worked = [r for r in timed if r.work_s is not None and r.loop_s]
+    worked = [(r.cpu_s - r.work_s, cores * loop - r.work_s) for r, loop in timed if r.work_s is not None]
     if worked:
-        own = _median([r.cpu_s - (r.work_s or 0.0) for r in worked]) or 0.0
-        allowed = _median([cores * (r.loop_s or 0.0) - (r.work_s or 0.0) for r in worked]) or 0.0
+        own = statistics.median(o for o, _ in worked)
+        allowed = statistics.median(a for _, a in worked)
         verdict = f"{own / allowed:.2f}x of it" if allowed > 0 else "none: the model's work fills the cores"
         print(
             f"pipeline's own CPU {own * 1e3:.1f} ms a step (jetrl's CPU less the model's work), "
@@ -255,11 +254,8 @@ def model_work(cfg: RunConfig, root: Path, from_step: int) -> ModelWork | None:
         marks.append((phases["sample"], phases["train"]))
 
     one_process(cfg, root, 1, on_step=on_step, phase_cpu=phases)
-    timed = marks[from_step - 1 :] if from_step >= 1 else marks
-    if len(timed) < 2:
-        return None
-    n = len(timed) - 1
-    return ModelWork((timed[-1][0] - timed[0][0]) / n, (timed[-1][1] - timed[0][1]) / n)
+    got = per_step(marks, from_step)
+    return None if got is None else ModelWork(*got)
 
 
 class LoopStep(NamedTuple):
@@ -276,11 +272,18 @@ def loop_step(cfg: RunConfig, root: Path, from_step: int, threads: int) -> LoopS
         marks.append((time.monotonic(), time.process_time()))
 
     one_process(cfg, root, threads, on_step=on_step)
+    got = per_step(marks, from_step)
+    return None if got is None else LoopStep(*got)
+
+
+def per_step(marks: list[tuple[float, float]], from_step: int) -> tuple[float, float] | None:
+    """Two running totals marked after each step, as amounts a step from step ``from_step`` to
+    the last (None with fewer than two marks to difference)."""
     timed = marks[from_step - 1 :] if from_step >= 1 else marks
     if len(timed) < 2:
         return None
     n = len(timed) - 1
-    return LoopStep((timed[-1][0] - timed[0][0]) / n, (timed[-1][1] - timed[0][1]) / n)
+    return (timed[-1][0] - timed[0][0]) / n, (timed[-1][1] - timed[0][1]) / n
 
 
 if __name__ == "__main__":
