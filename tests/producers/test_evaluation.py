@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -27,6 +27,7 @@ from jetrl.producers.evaluation import Evaluation, pass_at_k, success
 from jetrl.producers.evaluation import Sample as EvalSample
 from jetrl.producers.producer import EnvProducer
 from jetrl.producers.settings import EnvSettings, ProducerPart
+from tests.support.runlog import publish_version, wait_for
 
 TOK = CharTokenizer()
 M = 5  # modulus
@@ -191,28 +192,6 @@ def part(name: str, kind: str) -> ProducerPart:
         ack_wait_s=2.0,
     )
     return ProducerPart(env=env, groups_per_step=2, max_off_policy_steps=0)
-
-
-async def publish_version(bus: Bus, run_id: str, version: int) -> None:
-    """The trainer's side of a version, without a trainer: its step and its weights."""
-    if version > 0:
-        step = ev.StepCompleted(step=version - 1, policy_version=version, rollout_ids=[])
-        await bus.publish(ev.new_event(step, run_id=run_id, event_id=ids.step_event_id(run_id, version - 1)))
-    loc = ev.PayloadRef(store="objstore", bucket="none", name=f"w{version}", size=0, sha256="0" * 64)
-    ready = ev.WeightsReady(version=version, location=loc, weights_checksum=f"c{version}")
-    await bus.publish(ev.new_event(ready, run_id=run_id, event_id=ids.weights_event_id(run_id, version)))
-
-
-async def wait_for(
-    bus: Bus, run_id: str, subject: str, done: Callable[[list[ev.Event]], bool], timeout: float = 60.0
-) -> list[ev.Event]:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        log = [i.event for i in await bus.read_log(run_id, filter_subject=subject) if i.event is not None]
-        if done(log):
-            return log
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting on {subject}"
-        await asyncio.sleep(0.2)
 
 
 def reports(log: list[ev.Event]) -> dict[int, ev.Event]:

@@ -17,17 +17,20 @@ from jetrl.bus.client import Bus
 from jetrl.bus.payloads import Payloads
 from jetrl.bus.server import EmbeddedServer
 from jetrl.consumers.inference.engine import GroupRequest, Limits, Sample
+from jetrl.consumers.inference.settings import InferencePart, InferenceSettings
 from jetrl.consumers.inference.worker import InferenceWorker
 from jetrl.policy.tokenizer import CharTokenizer
 from jetrl.producers.environments import FollowUp, ModSumEnv, Score
 from jetrl.producers.producer import EnvProducer
 from jetrl.producers.settings import EnvSettings, ProducerPart
-from tests.producers.test_evaluation import WORKER, publish_version, wait_for
+from tests.support.runlog import bodies, publish_version, wait_for
 
 TOK = CharTokenizer()
 GROUPS_PER_STEP = 2
 MAX_OFF = 1
 WINDOW = GROUPS_PER_STEP * (1 + MAX_OFF)
+# A model-free engine to construct the worker with (replaced by ZeroEngine below).
+WORKER = InferencePart(inference=InferenceSettings(engine="tests.support.engines:OracleEngine"))
 
 
 class SlowModSum(ModSumEnv):
@@ -66,10 +69,6 @@ class ZeroEngine:
         pass
 
 
-def of(log: list[ev.Event], kind: type[ev.EventBody]) -> list[Any]:
-    return [e.body for e in log if isinstance(e.body, kind)]
-
-
 async def test_a_group_past_training_gives_its_place_to_a_fresh_task(
     nats_server: EmbeddedServer, bus: Bus, run_id: str
 ) -> None:
@@ -93,8 +92,8 @@ async def test_a_group_past_training_gives_its_place_to_a_fresh_task(
         await wait_for(bus, run_id, subjects.step_subject(run_id), lambda log: len(log) == 1)
         # Two steps on, without a word of these groups from the trainer: past training.
         await publish_version(bus, run_id, 2)
-        log = await wait_for(bus, run_id, tasks, lambda log: len(of(log, ev.TaskSubmitted)) >= 2 * WINDOW)
-        submitted = of(log, ev.TaskSubmitted)
+        log = await wait_for(bus, run_id, tasks, lambda log: len(bodies(log, ev.TaskSubmitted)) >= 2 * WINDOW)
+        submitted = bodies(log, ev.TaskSubmitted)
         assert len(submitted) == 2 * WINDOW  # each group given up once, no task more
         # The fresh tasks were handed out once the trainer was at version 2, not at 1.
         assert [t.min_policy_version for t in submitted] == [0] * WINDOW + [2] * WINDOW
