@@ -14,13 +14,14 @@ time between steps: a group sampled by version v can be trained until step v + k
 group slower than about two steps is withheld however idle the trainer. The recorder is off so
 that the two cores go to the loop itself.
 
-    python bench/async.py [--seconds 45] [--latency 0.05]
+    python bench/async.py [--seconds 45] [--latency 0.05] [--quorum 0.875]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import statistics
 import tempfile
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ class ModeFigures:
     reward: float | None
     withheld: int
     streamed: int = 0  # steps the trainer took as their groups came ([trainer] stream_groups)
+    late: int = 0  # samples left out of their groups by the quorum ([[envs]] group_quorum)
 
     def too_few(self) -> str:
         """Why a figure is missing, for the lines that would have shown it."""
@@ -108,8 +110,9 @@ def latency_line(k: int, mode: ModeFigures, latencies: list[float]) -> str:
     return out
 
 
-async def group_latencies(url: str, run_id: str) -> list[float]:
-    """Seconds from each group's TaskSubmitted to its RolloutsScored, from the run's log."""
+async def group_latencies(url: str, run_id: str) -> tuple[list[float], int]:
+    """Seconds from each group's TaskSubmitted to its RolloutsScored, from the run's log, and
+    the samples its groups left out as late."""
     bus = await Bus.connect(url)
     try:
         items = await bus.read_log(run_id)
@@ -117,6 +120,7 @@ async def group_latencies(url: str, run_id: str) -> list[float]:
         await bus.close()
     tasked: dict[str, float] = {}
     out = []
+    late = 0
     for item in items:
         e = item.event
         if e is None:
@@ -125,7 +129,8 @@ async def group_latencies(url: str, run_id: str) -> list[float]:
             tasked.setdefault(e.body.task_id, e.time)
         elif isinstance(e.body, ev.RolloutsScored) and e.body.task_id in tasked:
             out.append(e.time - tasked[e.body.task_id])
-    return out
+            late += len(e.body.late_samples)
+    return out, late
 
 
 def speedup_line(k: int, mode: ModeFigures, base: ModeFigures | None) -> str:
@@ -161,6 +166,7 @@ def run_mode(
     model: list[str],
     inflight: float | None = None,
     stream: str = "auto",
+    quorum: float = 1.0,
 ) -> tuple[ModeFigures, list[float]]:
     args = (
         f"--run.max_wall_s {seconds} --run.seed 0 --trainer.max_off_policy_steps {k} "
@@ -173,13 +179,15 @@ def run_mode(
     ).split()
     if inflight is not None:
         args += ["--envs.0.inflight_groups", str(round(inflight * (1 + k) * 8))]
+    args += ["--envs.0.group_quorum", str(quorum)]
     # The synchronous baseline takes whole batches, as it always has here.
     args += ["--trainer.stream_groups", STREAM_GROUPS[stream] if k else "false"]
     cfg = load_config(None, [*args, *model])
     run_id = f"async-k{k}"
     sup = Supervisor(cfg, run_id, root / run_id, nats_url=url, quiet=True)
     asyncio.run(sup.run())
-    return mode_figures(sup.progress.steps, seconds), asyncio.run(group_latencies(url, run_id))
+    latencies, late = asyncio.run(group_latencies(url, run_id))
+    return dataclasses.replace(mode_figures(sup.progress.steps, seconds), late=late), latencies
 
 
 def main() -> None:
@@ -201,6 +209,13 @@ def main() -> None:
         default="auto",
         help="whether the asynchronous modes' trainer takes each group as it comes "
         "([trainer] stream_groups; auto, the default, where its batches come late)",
+    )
+    ap.add_argument(
+        "--quorum",
+        type=float,
+        default=1.0,
+        help="[envs] group_quorum: a group's scores go out once this share of its samples is "
+        "scored, the rest left out as late (default 1: every sample)",
     )
     # A trainer step that is not trivially cheap next to generation (about 0.25 s here), as on
     # real clusters; with the 2-layer dim-64 demo model the event path, not the trainer, is the
@@ -240,6 +255,7 @@ def main() -> None:
                 model,
                 args.oversubscribe,
                 args.stream_groups,
+                args.quorum,
             )
             results[k], latencies[k] = r, lat
             rate = f"{r.steps_per_min:.1f} steps/min" if r.steps_per_min is not None else "steps/min -"
@@ -247,7 +263,7 @@ def main() -> None:
             print(
                 f"max_off_policy_steps={k}: {r.steps} steps, {rate}, trainer idle {idle}, "
                 f"staleness {_num(r.staleness, '.2f', 0)}, reward {_num(r.reward, '.3f', 0)}, "
-                f"withheld {r.withheld}, streamed {r.streamed} of {r.steps} steps",
+                f"withheld {r.withheld}, late samples {r.late}, streamed {r.streamed} of {r.steps} steps",
                 flush=True,
             )
             print(f"  {latency_line(k, r, lat)}", flush=True)

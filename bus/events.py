@@ -287,6 +287,9 @@ class RolloutsScored(EventBody, frozen=True):
     group_size: int
     prompt_tokens: ArrayRef  # the group's (an episode's: its first prompt)
     rollouts: list[ScoredRollout]
+    # The generation's samples left out of the group, scored too late for its quorum
+    # ([[envs]] group_quorum): the group is the rollouts here, ``group_size`` of them.
+    late_samples: list[int] = []
 
 
 class RolloutWithheld(EventBody, frozen=True):

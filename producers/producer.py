@@ -34,7 +34,7 @@ import asyncio
 import contextlib
 import math
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 import msgspec
@@ -73,6 +73,7 @@ class EnvProducer:
         # resolved, its withholding still to come) once the trainer is too far ahead of it.
         self.generated: dict[str, int] = {}
         self.past_training = 0
+        self.late_samples = 0  # samples left out of their groups by the quorum
         self.trainer_version = 0
         self.changed = asyncio.Event()
         self.payloads: Payloads | None = None
@@ -291,6 +292,19 @@ class EnvProducer:
             return 0.0
         return self.latency_rng.lognormvariate(math.log(self.s.latency_median_s), self.s.latency_sigma)
 
+    async def wait_latency(self, d: Delivery[ev.CompletionsGenerated], delay: float) -> None:
+        if delay:
+            async with d.keep_alive(every=10.0):
+                await asyncio.sleep(delay)
+
+    def quorum(self, samples: int) -> int | None:
+        """How many of a group's ``samples`` close it (``group_quorum``; at least 2, for a
+        group-relative advantage); None: every one."""
+        if self.s.group_quorum >= 1 or samples <= 2:
+            return None
+        need = max(2, math.ceil(self.s.group_quorum * samples - 1e-9))
+        return need if need < samples else None
+
     async def score(self, d: Delivery[ev.CompletionsGenerated]) -> None:
         """Score a task's samples: each one's score, or its episode's next turn; the scores of
         a group in one RolloutsScored (an evaluation's into its report instead)."""
@@ -314,20 +328,33 @@ class EnvProducer:
             ]
         except PayloadError as exc:  # never readable here: a dead letter, not retries
             raise Reject(f"generation of task {g.task_id}: {exc}", reason="unreadable") from None
+        # A group's first turn may close on its quorum; an episode's later turn, an evaluation's
+        # samples and a group that turns out multi-turn wait for every sample.
+        quorum = (
+            self.quorum(len(g.samples)) if task.episode is None and not ids.is_eval_task(g.task_id) else None
+        )
         # Each sample's environment may take its time (a sandbox, a tool): side by side.
-        delay = max((self.latency() for _ in g.samples), default=0.0)
-        if delay:
-            async with d.keep_alive(every=10.0):
-                await asyncio.sleep(delay)
+        lats = [self.latency() for _ in g.samples]
+        results: list[Score | FollowUp | None]
         if type(self.env).areact is Environment.areact:  # scored in place: no task a sample
             results = [self.env.react(task.info, g.turn, c) for c in completions]
+            if quorum is not None and any(lats) and not any(isinstance(r, FollowUp) for r in results):
+                # The simulated latency decides which samples are scored in time.
+                cut = sorted(lats)[quorum - 1]
+                results = [r if x <= cut else None for r, x in zip(results, lats, strict=True)]
+                lats = [x for x in lats if x <= cut]
+            await self.wait_latency(d, max(lats, default=0.0))
         else:  # an environment whose scoring awaits: the samples side by side
-            results = list(
-                await asyncio.gather(*(self.env.areact(task.info, g.turn, c) for c in completions))
+            await self.wait_latency(d, max(lats, default=0.0))
+            results = await scored_by_quorum(
+                [self.env.areact(task.info, g.turn, c) for c in completions], quorum
             )
         scores: list[tuple[ev.Completion, list[int], Score]] = []
+        late: list[int] = []
         for sample, completion, result in zip(g.samples, completions, results, strict=True):
-            if isinstance(result, FollowUp):
+            if result is None:
+                late.append(sample.sample_index)
+            elif isinstance(result, FollowUp):
                 await self.next_turn(d, g, sample, task, completion, result)
             else:
                 scores.append((sample, completion, result))
@@ -342,11 +369,13 @@ class EnvProducer:
                 task_id=g.task_id,
                 env=g.env,
                 group_id=g.task_id,
-                group_size=task.group_size,
+                group_size=task.group_size - len(late),  # its quorum's: late samples left out
                 # The generation's arrays, not a second copy of them (bus/payloads.py).
                 prompt_tokens=g.prompt_tokens,
                 rollouts=[self.rollout_of(d.seq, g, smp, score) for smp, _, score in scores],
+                late_samples=sorted(late),
             )
+            self.late_samples += len(late)
         else:
             ((smp, completion, score),) = scores  # a later turn has one sample
             body = await self.episode_rollout(d, g, smp, task.episode, completion, score)
@@ -543,4 +572,33 @@ class EnvProducer:
                 scored=self.scored,
                 refused=self.refused,
                 past_training=self.past_training,
+                late_samples=self.late_samples,
             )
+
+
+async def scored_by_quorum(
+    scorings: list[Coroutine[Any, Any, Score | FollowUp]], quorum: int | None
+) -> list[Score | FollowUp | None]:
+    """The samples' scorings side by side, in sample order. With a ``quorum``, once that many
+    have ended with a score, the ones still running are left to finish unread (None): they are
+    late. A reply (a multi-turn environment) makes it wait for every one."""
+    tasks = [asyncio.ensure_future(c) for c in scorings]
+    if quorum is None:
+        return list(await asyncio.gather(*tasks))
+    pending = set(tasks)
+    while pending:
+        done = [t for t in tasks if t.done()]
+        if any(isinstance(t.result(), FollowUp) for t in done):
+            await asyncio.gather(*pending)
+            break
+        if sum(1 for t in done if isinstance(t.result(), Score)) >= quorum:
+            break
+        _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+    for t in pending:  # not cancelled: an environment's sandbox or tool call ends its own way
+        _LEFT_RUNNING.add(t)
+        t.add_done_callback(_LEFT_RUNNING.discard)
+    return [t.result() if t.done() else None for t in tasks]
+
+
+# Scorings past their group's quorum, held until they end (an unreferenced task may be lost).
+_LEFT_RUNNING: set[asyncio.Future[Score | FollowUp]] = set()

@@ -32,6 +32,11 @@ class EnvSettings(Section):
     # environments need more in flight to keep the trainer busy (Little's law); the trainer
     # still withholds whatever ends up staler than the bound.
     inflight_groups: int | None = Field(None, ge=1)
+    # A single-turn group's scores go out once this share of its samples is scored (at least
+    # 2): the rest are late, left out of the group and listed in its RolloutsScored's
+    # late_samples. Below 1 it cuts a long-tailed environment's wait for a group's slowest
+    # sample, at a bias where scoring time depends on the answer (docs/running.md).
+    group_quorum: float = Field(1.0, gt=0, le=1)
     ack_wait_s: float = Field(30.0, gt=0)  # how soon generations held by a dead producer are rescored
     # Evaluation on the environment's held-out split (producers/evaluation.py): every
     # `eval_every` policy versions (0 = never; version 0 is evaluated too), its first

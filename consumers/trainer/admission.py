@@ -91,13 +91,22 @@ def check_rollouts(
         return "bad_ids", f"group {b.group_id!r} / task {b.task_id!r} outside the tenant's {prefix!r}"
     if b.group_size < 2:
         return "invalid_group", f"group_size {b.group_size} < 2: no group-relative advantage"
-    if route is not None and b.group_size != route.group_size:
-        return "invalid_group", f"group_size {b.group_size}, the env's is {route.group_size}"
+    # A group closed on its quorum: the generation's samples are its rollouts and the late ones.
+    samples = b.group_size + len(b.late_samples)
+    if route is not None and samples != route.group_size:
+        late = f" and {len(b.late_samples)} late" if b.late_samples else ""
+        return "invalid_group", f"group_size {b.group_size}{late}, the env's is {route.group_size}"
     if not b.rollouts:
         return "invalid_group", "no rollouts"
     indexes = [r.sample_index for r in b.rollouts]
     if len(set(indexes)) != len(indexes):
         return "invalid_group", f"sample indexes {indexes} repeat"
+    if b.late_samples:
+        late_ok = len(set(b.late_samples)) == len(b.late_samples) and all(
+            0 <= i < samples for i in b.late_samples
+        )
+        if not late_ok or set(b.late_samples) & set(indexes) or len(b.rollouts) != b.group_size:
+            return "invalid_group", f"late samples {b.late_samples[:16]} beside rollouts {indexes[:16]}"
     # The prompt is the event's, the same for each rollout: checked once.
     try:
         prompt: int | _Refused = _vector(b.prompt_tokens, "prompt_tokens", TOKEN_DTYPES, bucket)
@@ -121,8 +130,11 @@ def _check_one(
 ) -> Rejection | None:
     if r.rollout_id != ids.rollout_id(b.group_id, r.sample_index):
         return "bad_ids", f"rollout id {r.rollout_id!r} is not <group_id>-<sample_index>"
-    if not 0 <= r.sample_index < b.group_size:
-        return "invalid_group", f"sample_index {r.sample_index} outside [0, {b.group_size})"
+    if not 0 <= r.sample_index < b.group_size + len(b.late_samples):
+        return (
+            "invalid_group",
+            f"sample_index {r.sample_index} outside [0, {b.group_size + len(b.late_samples)})",
+        )
     bad = [k for k, v in r.reward_parts.items() if not math.isfinite(v)]
     if not math.isfinite(r.reward) or bad:
         return "non_finite", f"reward {r.reward!r}, non-finite parts {bad}"

@@ -238,6 +238,27 @@ def test_a_group_event_with_repeated_or_too_many_samples_is_refused() -> None:
     assert got is not None and got == ("invalid_group", "no rollouts")
 
 
+def test_a_group_closed_on_its_quorum_counts_its_late_samples() -> None:
+    routes = [EnvRoute(tenant="acme", env="math", group_size=4)]
+    # Samples 0 and 2 scored in time, 1 and 3 late: a group of 2 of the env's 4.
+    b = body(indexes=(0, 2), late_samples=[1, 3])
+    assert reason(b, routes=routes) is None
+    assert reason(body(indexes=(0, 2, 3), group_size=3, late_samples=[1]), routes=routes) is None
+    bad = [
+        body(indexes=(0, 2), late_samples=[1]),  # 2 + 1 of the env's 4
+        body(indexes=(0, 2), late_samples=[1, 1]),  # a late sample twice
+        body(indexes=(0, 2), late_samples=[2, 3]),  # a rollout's sample late too
+        body(indexes=(0, 2), late_samples=[1, 4]),  # no such sample
+        body(indexes=(0,), late_samples=[1, 3]),  # the event does not hold its whole group
+        body(indexes=(0, 3), late_samples=[1, 2], group_size=1),  # a group of one
+    ]
+    for b in bad:
+        got = rejection(b, routes=routes)
+        assert got is not None and got[0] == "invalid_group", b.late_samples
+    # Without late samples, the group is the env's whole group, as before.
+    assert reason(body(indexes=(0, 2)), routes=routes) == "invalid_group"
+
+
 def test_traces_follow_the_model_and_replay() -> None:
     dense = ModelLimits(max_seq_len=256, vocab_size=64, trace=None)
     assert reason(body(), limits=dense) == "bad_arrays"  # a dense model refuses a trace it would read

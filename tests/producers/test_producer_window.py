@@ -6,23 +6,19 @@ way and before any withholding of it comes back."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 from typing import Any
-
-import numpy as np
 
 from jetrl.bus import events as ev
 from jetrl.bus import subjects
 from jetrl.bus.client import Bus
-from jetrl.bus.payloads import Payloads
 from jetrl.bus.server import EmbeddedServer
-from jetrl.consumers.inference.engine import GroupRequest, Limits, Sample
 from jetrl.consumers.inference.settings import InferencePart, InferenceSettings
 from jetrl.consumers.inference.worker import InferenceWorker
 from jetrl.policy.tokenizer import CharTokenizer
 from jetrl.producers.environments import FollowUp, ModSumEnv, Score
 from jetrl.producers.producer import EnvProducer
 from jetrl.producers.settings import EnvSettings, ProducerPart
+from tests.support.engines import ZeroEngine
 from tests.support.runlog import bodies, publish_version, wait_for
 
 TOK = CharTokenizer()
@@ -43,30 +39,6 @@ class SlowModSum(ModSumEnv):
     async def areact(self, info: dict[str, Any], turn: int, completion_tokens: list[int]) -> Score | FollowUp:
         await self.gate.wait()
         return self.react(info, turn, completion_tokens)
-
-
-class ZeroEngine:
-    """A model-free engine answering every sample ``0``, loading any version announced."""
-
-    batches_in_flight = 1
-    limits: Limits | None = None
-
-    def __init__(self) -> None:
-        self._version: int | None = None
-
-    @property
-    def loaded_version(self) -> int | None:
-        return self._version
-
-    async def generate(self, groups: Sequence[GroupRequest]) -> list[list[Sample]]:
-        ids = np.asarray(TOK.encode("0", bos=False, eos=True), np.int32)
-        return [[Sample(ids, np.zeros(len(ids), np.float32), "stop") for _ in range(g.n)] for g in groups]
-
-    async def load_weights(self, ready: ev.WeightsReady, payloads: Payloads) -> None:
-        self._version = ready.version
-
-    async def close(self) -> None:
-        pass
 
 
 async def test_a_group_past_training_gives_its_place_to_a_fresh_task(

@@ -1,7 +1,9 @@
 """A generation engine with no model, plugged in by configuration alone
 (``--inference.engine tests.support.engines:OracleEngine``): it reads each modsum prompt
 ("3+4=") and answers it correctly, with probability one. It proves that the inference worker
-depends only on the seam: a run through it trains every step on a reward of exactly 1."""
+depends only on the seam: a run through it trains every step on a reward of exactly 1.
+:class:`ZeroEngine` answers ``0`` to everything and takes any version announced without reading
+its weights (for tests that announce versions with no trainer)."""
 
 from __future__ import annotations
 
@@ -83,3 +85,27 @@ class ConcurrentOracleEngine(OracleEngine):
         if self.active:
             self.loads_while_generating += 1
         await super().load_weights(ready, payloads)
+
+
+class ZeroEngine:
+    """A model-free engine answering every sample ``0``, loading any version announced."""
+
+    batches_in_flight = 1
+    limits: Limits | None = None
+
+    def __init__(self) -> None:
+        self._version: int | None = None
+
+    @property
+    def loaded_version(self) -> int | None:
+        return self._version
+
+    async def generate(self, groups: Sequence[GroupRequest]) -> list[list[Sample]]:
+        ids = np.asarray(CharTokenizer().encode("0", bos=False, eos=True), np.int32)
+        return [[Sample(ids, np.zeros(len(ids), np.float32), "stop") for _ in range(g.n)] for g in groups]
+
+    async def load_weights(self, ready: ev.WeightsReady, payloads: Payloads) -> None:
+        self._version = ready.version
+
+    async def close(self) -> None:
+        pass

@@ -34,7 +34,10 @@ def assert_run_invariants(log: list[ev.Event], *, steps: int, rollouts_per_step:
     for b in groups:
         indexes = [r.sample_index for r in b.rollouts]
         assert (
-            b.rollouts and len(set(indexes)) == len(indexes) and all(0 <= i < b.group_size for i in indexes)
+            b.rollouts
+            and len(set(indexes)) == len(indexes)
+            and all(0 <= i < b.group_size + len(b.late_samples) for i in indexes)
+            and not set(indexes) & set(b.late_samples)
         )
         assert all(r.rollout_id == ids.rollout_id(b.group_id, r.sample_index) for r in b.rollouts)
 
