@@ -589,16 +589,21 @@ async def scored_by_quorum(
     while pending:
         done = [t for t in tasks if t.done()]
         if any(isinstance(t.result(), FollowUp) for t in done):
-            await asyncio.gather(*pending)
-            break
+            return list(await asyncio.gather(*tasks))
         if sum(1 for t in done if isinstance(t.result(), Score)) >= quorum:
             break
         _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
     for t in pending:  # not cancelled: an environment's sandbox or tool call ends its own way
         _LEFT_RUNNING.add(t)
-        t.add_done_callback(_LEFT_RUNNING.discard)
+        t.add_done_callback(_left_done)
     return [t.result() if t.done() else None for t in tasks]
 
 
 # Scorings past their group's quorum, held until they end (an unreferenced task may be lost).
 _LEFT_RUNNING: set[asyncio.Future[Score | FollowUp]] = set()
+
+
+def _left_done(t: asyncio.Future[Score | FollowUp]) -> None:
+    _LEFT_RUNNING.discard(t)
+    if not t.cancelled():
+        t.exception()  # read: a late scoring's failure is nobody's to raise

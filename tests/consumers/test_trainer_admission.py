@@ -690,3 +690,18 @@ async def test_a_group_event_brings_its_rollouts_together_and_a_copy_trains_noth
     assert set(trained) == {r.rollout_id for b in groups for r in b.rollouts}
     assert set(trained.values()) == {1}
     assert not [i for i in log if i.event and isinstance(i.event.body, ev.DeadLettered | ev.RolloutWithheld)]
+
+
+async def test_groups_closed_on_their_quorum_are_trained_whole(bus: Bus, run_id: str, tmp_path: Path) -> None:
+    """A group of 2 of its environment's 4 samples (the other 2 late) is a whole group: trained
+    at once, neither held for the late samples nor refused."""
+    routes = [EnvRoute(tenant="acme", env="math", group_size=4)]
+    groups = [body("acme", "math", g, (0, 2), late_samples=[1, 3]) for g in range(2)]
+    for b in groups:
+        await bus.publish(event(run_id, b))
+    await run_trainer(bus, run_id, trainer_part(max_steps=1, envs=routes), tmp_path)
+    log = await bus.read_log(run_id)
+    steps = [i.event.body for i in log if i.event and isinstance(i.event.body, ev.StepCompleted)]
+    assert len(steps) == 1
+    assert sorted(steps[0].rollout_ids) == sorted(r.rollout_id for b in groups for r in b.rollouts)
+    assert not [i for i in log if i.event and isinstance(i.event.body, ev.DeadLettered | ev.RolloutWithheld)]

@@ -17,7 +17,7 @@ from jetrl.consumers.inference.settings import InferencePart, InferenceSettings
 from jetrl.consumers.inference.worker import InferenceWorker
 from jetrl.policy.tokenizer import CharTokenizer
 from jetrl.producers.environments import FollowUp, ModSumEnv, Score
-from jetrl.producers.producer import EnvProducer
+from jetrl.producers.producer import EnvProducer, scored_by_quorum
 from jetrl.producers.settings import EnvSettings, ProducerPart
 from tests.support.engines import ZeroEngine
 from tests.support.runlog import bodies, publish_version, wait_for
@@ -112,3 +112,47 @@ async def test_the_simulated_latency_decides_which_samples_are_in_time(
     finally:
         stop.set()
         await asyncio.wait_for(asyncio.gather(*tasks), 60)
+
+
+async def scoring(result: Score | FollowUp, gate: asyncio.Event | None = None) -> Score | FollowUp:
+    if gate is not None:
+        await gate.wait()
+    return result
+
+
+async def test_scorings_close_on_the_quorum_and_the_late_ones_run_on() -> None:
+    gate = asyncio.Event()
+    ran: list[int] = []
+
+    async def late(i: int) -> Score:
+        await gate.wait()
+        ran.append(i)
+        return Score(reward=float(i))
+
+    got = await scored_by_quorum(
+        [scoring(Score(reward=0.0)), late(1), scoring(Score(reward=2.0)), late(3)], quorum=2
+    )
+    assert [None if r is None else r.reward for r in got if not isinstance(r, FollowUp)] == [
+        0.0,
+        None,
+        2.0,
+        None,
+    ]
+    gate.set()
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert sorted(ran) == [1, 3]  # not cancelled: they ended their own way, unread
+
+
+async def test_a_reply_or_no_quorum_waits_for_every_scoring() -> None:
+    gate = asyncio.Event()
+    asyncio.get_running_loop().call_later(0.05, gate.set)
+    reply = FollowUp(text="more")
+    got = await scored_by_quorum(
+        [scoring(reply), scoring(Score(reward=1.0)), scoring(Score(reward=2.0), gate)], quorum=1
+    )
+    assert got[0] is reply and all(r is not None for r in got)
+    gate.clear()
+    asyncio.get_running_loop().call_later(0.05, gate.set)
+    got = await scored_by_quorum([scoring(Score(reward=1.0)), scoring(Score(reward=2.0), gate)], quorum=None)
+    assert all(isinstance(r, Score) for r in got)
