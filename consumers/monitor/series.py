@@ -111,6 +111,7 @@ class StepPoint:
     tokens_per_s: float
     inference_weight_wait_frac: float  # of inference time since the last step, spent waiting for weights
     withheld: int  # rollouts withheld since the step before
+    late_samples: int  # samples left out of their groups since the step before (group_quorum)
     dead_letters: int  # dead letters since the step before
     # Samples asked for by tasks and not generated yet, scored rollouts neither trained nor
     # withheld: counted from where the reader started (exact when it started at the log's start).
@@ -133,6 +134,7 @@ class StepPoint:
             "throughput/tokens_per_s": self.tokens_per_s,
             "inference/weight_wait_frac": self.inference_weight_wait_frac,
             "rollouts/withheld": float(self.withheld),
+            "rollouts/late_samples": float(self.late_samples),
             "rollouts/dead_letters": float(self.dead_letters),
             "queue/pending_samples": float(self.pending_samples),
             "queue/pending_rollouts": float(self.pending_rollouts),
@@ -207,6 +209,7 @@ class MonitorState:
         self._wait_since_step = 0.0  # inference load_wait_s since the last step
         self._busy_since_step = 0.0  # inference generate_s since the last step
         self._withheld_since_step = 0
+        self._late_since_step = 0
         self._dead_since_step = 0
 
     # ------------------------------------------------------------------ folding
@@ -231,6 +234,7 @@ class MonitorState:
             case rm.Scored():
                 for one in r.rollouts:
                     self._queued[one.rollout_id] = Queued(r, one)
+                self._late_since_step += r.late
             case rm.Withheld():
                 self._queued.pop(r.rollout_id, None)
                 self.withheld_by_reason[r.reason] = self.withheld_by_reason.get(r.reason, 0) + 1
@@ -311,12 +315,13 @@ class MonitorState:
             tokens_per_s=r.tokens / span if span > 0 else 0.0,
             inference_weight_wait_frac=self._wait_since_step / inference_s if inference_s > 0 else 0.0,
             withheld=self._withheld_since_step,
+            late_samples=self._late_since_step,
             dead_letters=self._dead_since_step,
             pending_samples=self.pending_samples,
             pending_rollouts=self.pending_rollouts,
         )
         self._wait_since_step = self._busy_since_step = 0.0
-        self._withheld_since_step = self._dead_since_step = 0
+        self._withheld_since_step = self._dead_since_step = self._late_since_step = 0
         self.latest_version = max(self.latest_version, r.version)
         self.last_step_t = r.t
         if self.from_step is not None and r.step < self.from_step:

@@ -42,6 +42,7 @@ ROWS: tuple[tuple[str, str, str], ...] = (
     ("pending samples", "queue/pending_samples", "{:.0f}"),
     ("pending rollouts", "queue/pending_rollouts", "{:.0f}"),
     ("withheld (per step)", "rollouts/withheld", "{:.0f}"),
+    ("late samples (per step)", "rollouts/late_samples", "{:.0f}"),
     ("dead letters (per step)", "rollouts/dead_letters", "{:.0f}"),
 )
 

@@ -168,6 +168,7 @@ class Scored(msgspec.Struct, frozen=True, gc=False):
     group_id: str = ""
     group_size: int = 0
     prompt_length: int | None = None
+    late: int = 0  # the generation's samples left out, scored after the group's quorum
 
 
 class Withheld(msgspec.Struct, frozen=True, gc=False):
@@ -487,6 +488,7 @@ def _scored(seq: int, subject: str, e: ev.Event, b: ev.RolloutsScored) -> Scored
         group_id=b.group_id,
         group_size=b.group_size,
         prompt_length=array_length(b.prompt_tokens),
+        late=len(b.late_samples),
     )
 
 

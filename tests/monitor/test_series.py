@@ -116,6 +116,19 @@ def test_truncation_weight_wait_queue_and_dead_letters() -> None:
     assert state.dead_by_reason == {"malformed": 1}
 
 
+def test_late_samples_are_counted_per_step() -> None:
+    one = rec.ScoredOne("r1", 1.0, 0, 2)
+    state = _records(
+        rec.Started(1, 100.0, {}),
+        rec.Scored(2, 101.0, "acme", "math", "g1", (one,), late=3),  # closed on its quorum
+        rec.Scored(3, 101.5, "acme", "math", "g2", (rec.ScoredOne("r2", 0.0, 0, 2),)),
+        rec.Stepped(4, 102.0, 0, 1, 4, {}, ("r1", "r2")),
+        rec.Stepped(5, 103.0, 1, 2, 0, {}, ()),
+    )
+    assert [p.late_samples for p in state.steps] == [3, 0]
+    assert state.steps[0].scalars()["rollouts/late_samples"] == 3.0
+
+
 def test_from_step_keeps_later_points_equal() -> None:
     run = synthetic_run("mon2", steps=10, tasks_per_step=4, group_size=4, max_off_policy_steps=0)
     full = {p.step: p for p in fold(run).steps}

@@ -352,6 +352,7 @@
         { key: "queue/pending_rollouts", name: "pending rollouts" },
         { key: "queue/pending_samples", name: "pending samples" },
         { key: "rollouts/withheld", name: "withheld since the step before", dash: "dot" },
+        { key: "rollouts/late_samples", name: "late samples since the step before", dash: "dot" },
         { key: "rollouts/dead_letters", name: "dead letters since the step before", dash: "dot" },
       ],
     },
