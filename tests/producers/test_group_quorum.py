@@ -56,12 +56,22 @@ async def run_parts(
     return producer, stop, [asyncio.create_task(worker.run(stop))]
 
 
-def check_groups(scored: list[ev.RolloutsScored]) -> None:
+async def closed_groups(bus: Bus, run_id: str) -> list[ev.RolloutsScored]:
+    """The window's groups as scored, each closed on 2 of its 4 samples, the other 2 late."""
+    log = await wait_for(
+        bus,
+        run_id,
+        subjects.rollout_subject(run_id),
+        lambda log: len(bodies(log, ev.RolloutsScored)) >= WINDOW,
+        timeout=30.0,
+    )
+    scored = bodies(log, ev.RolloutsScored)
     for b in scored:
         kept = [r.sample_index for r in b.rollouts]
         assert b.group_size == len(kept) == 2
         assert len(b.late_samples) == 2
         assert sorted(kept + b.late_samples) == list(range(GROUP))
+    return scored
 
 
 async def test_a_group_closes_once_its_quorum_is_scored(
@@ -73,14 +83,7 @@ async def test_a_group_closes_once_its_quorum_is_scored(
     tasks.append(asyncio.create_task(producer.run(stop)))
     try:
         # The gate stays shut: the groups go out on their two quick samples alone.
-        log = await wait_for(
-            bus,
-            run_id,
-            subjects.rollout_subject(run_id),
-            lambda log: len(bodies(log, ev.RolloutsScored)) >= WINDOW,
-        )
-        scored = bodies(log, ev.RolloutsScored)
-        check_groups(scored)
+        scored = await closed_groups(bus, run_id)
         assert all(b.late_samples == [2, 3] for b in scored)  # the ones held on the gate
         assert producer.late_samples == 2 * len(scored)
     finally:
@@ -99,15 +102,7 @@ async def test_the_simulated_latency_decides_which_samples_are_in_time(
     producer.latency = lambda: next(latencies)  # type: ignore[method-assign]
     tasks.append(asyncio.create_task(producer.run(stop)))
     try:
-        log = await wait_for(
-            bus,
-            run_id,
-            subjects.rollout_subject(run_id),
-            lambda log: len(bodies(log, ev.RolloutsScored)) >= WINDOW,
-            timeout=30.0,
-        )
-        scored = bodies(log, ev.RolloutsScored)
-        check_groups(scored)
+        scored = await closed_groups(bus, run_id)
         assert all(b.late_samples == [0, 2] for b in scored)
     finally:
         stop.set()
