@@ -329,7 +329,7 @@ class EnvProducer:
         except PayloadError as exc:  # never readable here: a dead letter, not retries
             raise Reject(f"generation of task {g.task_id}: {exc}", reason="unreadable") from None
         # A group's first turn may close on its quorum; an episode's later turn, an evaluation's
-        # samples and a group that turns out multi-turn wait for every sample.
+        # samples and a group whose scoring replies before its quorum wait for every sample.
         quorum = (
             self.quorum(len(g.samples)) if task.episode is None and not ids.is_eval_task(g.task_id) else None
         )
@@ -581,7 +581,7 @@ async def scored_by_quorum(
 ) -> list[Score | FollowUp | None]:
     """The samples' scorings side by side, in sample order. With a ``quorum``, once that many
     have ended with a score, the ones still running are left to finish unread (None): they are
-    late. A reply (a multi-turn environment) makes it wait for every one."""
+    late. A reply (a multi-turn environment) before the quorum makes it wait for every one."""
     tasks = [asyncio.ensure_future(c) for c in scorings]
     if quorum is None:
         return list(await asyncio.gather(*tasks))
