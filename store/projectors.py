@@ -184,6 +184,7 @@ def _scored(run: str, f: rm.Scored) -> list[Partial]:
         "task_id": f.task_id,
         "generation_event_id": f.generation_event_id,
         "group_size": f.group_size,
+        "group_late": f.late,
         "prompt_tokens": f.prompt_length,
         "scored_at": f.t,
         "scored_event_id": f.event_id,

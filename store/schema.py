@@ -122,6 +122,7 @@ class Rollout(Base):
     generation_event_id: Mapped[str | None] = mapped_column(Id)
     sample_index: Mapped[int | None] = mapped_column(sa.Integer)
     group_size: Mapped[int | None] = mapped_column(sa.Integer)
+    group_late: Mapped[int | None] = mapped_column(sa.Integer)  # late samples (group_quorum)
     reward: Mapped[float | None] = mapped_column(Float)
     reward_parts: Mapped[dict[str, float] | None] = mapped_column(Json)
     policy_version_start: Mapped[int | None] = mapped_column(sa.Integer)

@@ -113,6 +113,7 @@ ROLLOUTS = Spec(
                 "generation_event_id",
                 "sample_index",
                 "group_size",
+                "group_late",
                 "reward",
                 "reward_parts",
                 "policy_version_start",

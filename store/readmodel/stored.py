@@ -183,6 +183,7 @@ def facts_of_store(conn: sa.Connection, run_id: str) -> Iterator[Fact]:
                 group_id=r["group_id"],
                 group_size=r["group_size"],
                 prompt_length=r["prompt_tokens"],
+                late=r["group_late"] or 0,
             )
         )
     for r in rows(sc.Rollout, rt.c.withheld_seq.is_not(None)):

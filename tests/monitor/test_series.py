@@ -8,11 +8,13 @@ from collections import Counter
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from jetrl.bus import events as ev
 from jetrl.consumers.monitor.reader import from_store
 from jetrl.consumers.monitor.series import MonitorState
 from jetrl.store import readmodel as rec
+from jetrl.store import schema as sc
 from jetrl.store.db import Store, open_store
 from jetrl.store.projection import apply_batch
 from tests.support.synthetic import SyntheticRun, log_items, synthetic_run
@@ -184,3 +186,48 @@ def test_a_resumed_run_is_running_again_with_the_resumes_config(store: Store) ->
         apply_batch(conn, run_id=rid, stream="S", consumer="c", items=items)
     with store.read() as conn:
         assert from_store(conn, rid).snapshot(0)["status"] == "running"
+
+
+def test_the_store_keeps_a_groups_late_samples(store: Store) -> None:
+    """A group closed on its quorum: its rollout rows record the samples it left out, and the
+    monitor read from the store counts them as the one read from the log does."""
+    rid = "mon-late"
+    tokens = ev.InlineArray(dtype="int32", shape=(2,), data=b"\x01\x00\x00\x00\x02\x00\x00\x00")
+    lps = ev.InlineArray(dtype="float32", shape=(2,), data=b"\x00" * 8)
+    group = "modsum.default.0"
+    scored = ev.RolloutsScored(
+        generation_event_id="g0",
+        task_id=group,
+        env="modsum",
+        group_id=group,
+        group_size=2,
+        prompt_tokens=tokens,
+        rollouts=[
+            ev.ScoredRollout(
+                rollout_id=f"{group}-{i}",
+                sample_index=i,
+                reward=1.0,
+                completion_tokens=tokens,
+                logprobs=lps,
+                policy_version_start=0,
+                policy_version_end=0,
+            )
+            for i in (0, 3)
+        ],
+        late_samples=[1, 2],
+    )
+    step = ev.StepCompleted(step=0, policy_version=1, rollout_ids=[f"{group}-0", f"{group}-3"])
+    events = [ev.new_event(b, run_id=rid) for b in (ev.RunStarted(config={}, code_version="0"), scored, step)]
+    items = log_items(events)
+    with store.write() as conn:
+        apply_batch(conn, run_id=rid, stream="S", consumer="c", items=items)
+    from_log = MonitorState(rid)
+    for item in items:
+        fact = rec.fact_of(item.seq, item.subject, item.event)
+        if fact is not None:
+            from_log.apply(fact)
+    with store.read() as conn:
+        from_db = from_store(conn, rid)
+        lates = conn.execute(sa.select(sc.Rollout.group_late).where(sc.Rollout.run_id == rid)).scalars().all()
+    assert lates == [2, 2]
+    assert [p.late_samples for p in from_log.steps] == [p.late_samples for p in from_db.steps] == [2]
