@@ -318,7 +318,8 @@ class EnvProducer:
                 f"for a task of {task.group_size}",
                 reason="invalid",
             )
-        if task.episode is None and not ids.is_eval_task(g.task_id):  # a group's first turn
+        first = task.episode is None and not ids.is_eval_task(g.task_id)  # a group's first turn
+        if first:
             self.note_generated(g.task_id, g.policy_version_start)
         assert self.payloads is not None
         try:
@@ -330,22 +331,20 @@ class EnvProducer:
             raise Reject(f"generation of task {g.task_id}: {exc}", reason="unreadable") from None
         # A group's first turn may close on its quorum; an episode's later turn, an evaluation's
         # samples and a group whose scoring replies before its quorum wait for every sample.
-        quorum = (
-            self.quorum(len(g.samples)) if task.episode is None and not ids.is_eval_task(g.task_id) else None
-        )
+        quorum = self.quorum(len(g.samples)) if first else None
         # Each sample's environment may take its time (a sandbox, a tool): side by side.
         lats = [self.latency() for _ in g.samples]
+        delay = max(lats, default=0.0)
         results: list[Score | FollowUp | None]
         if type(self.env).areact is Environment.areact:  # scored in place: no task a sample
             results = [self.env.react(task.info, g.turn, c) for c in completions]
-            if quorum is not None and any(lats) and not any(isinstance(r, FollowUp) for r in results):
+            if quorum is not None and delay and not any(isinstance(r, FollowUp) for r in results):
                 # The simulated latency decides which samples are scored in time.
-                cut = sorted(lats)[quorum - 1]
-                results = [r if x <= cut else None for r, x in zip(results, lats, strict=True)]
-                lats = [x for x in lats if x <= cut]
-            await self.wait_latency(d, max(lats, default=0.0))
+                delay = sorted(lats)[quorum - 1]
+                results = [r if x <= delay else None for r, x in zip(results, lats, strict=True)]
+            await self.wait_latency(d, delay)
         else:  # an environment whose scoring awaits: the samples side by side
-            await self.wait_latency(d, max(lats, default=0.0))
+            await self.wait_latency(d, delay)
             results = await scored_by_quorum(
                 [self.env.areact(task.info, g.turn, c) for c in completions], quorum
             )

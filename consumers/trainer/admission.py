@@ -101,19 +101,16 @@ def check_rollouts(
     indexes = [r.sample_index for r in b.rollouts]
     if len(set(indexes)) != len(indexes):
         return "invalid_group", f"sample indexes {indexes} repeat"
-    if b.late_samples:
-        late_ok = len(set(b.late_samples)) == len(b.late_samples) and all(
-            0 <= i < samples for i in b.late_samples
-        )
-        if not late_ok or set(b.late_samples) & set(indexes) or len(b.rollouts) != b.group_size:
-            return "invalid_group", f"late samples {b.late_samples[:16]} beside rollouts {indexes[:16]}"
+    # Its rollouts and late samples are then the generation's samples, each once.
+    if b.late_samples and sorted([*indexes, *b.late_samples]) != list(range(samples)):
+        return "invalid_group", f"late samples {b.late_samples[:16]} beside rollouts {indexes[:16]}"
     # The prompt is the event's, the same for each rollout: checked once.
     try:
         prompt: int | _Refused = _vector(b.prompt_tokens, "prompt_tokens", TOKEN_DTYPES, bucket)
     except _Refused as exc:
         prompt = exc
     for r in b.rollouts:
-        rejection = _check_one(b, r, limits, version, bucket, prompt)
+        rejection = _check_one(b, r, limits, version, bucket, prompt, samples)
         if rejection is not None:
             reason, detail = rejection
             return reason, f"rollout {r.rollout_id}: {detail}"
@@ -127,14 +124,12 @@ def _check_one(
     version: int,
     bucket: str | None,
     prompt: int | _Refused,
+    samples: int,  # the generation's: the group's rollouts and its late samples
 ) -> Rejection | None:
     if r.rollout_id != ids.rollout_id(b.group_id, r.sample_index):
         return "bad_ids", f"rollout id {r.rollout_id!r} is not <group_id>-<sample_index>"
-    if not 0 <= r.sample_index < b.group_size + len(b.late_samples):
-        return (
-            "invalid_group",
-            f"sample_index {r.sample_index} outside [0, {b.group_size + len(b.late_samples)})",
-        )
+    if not 0 <= r.sample_index < samples:
+        return "invalid_group", f"sample_index {r.sample_index} outside [0, {samples})"
     bad = [k for k, v in r.reward_parts.items() if not math.isfinite(v)]
     if not math.isfinite(r.reward) or bad:
         return "non_finite", f"reward {r.reward!r}, non-finite parts {bad}"
