@@ -119,6 +119,8 @@ class Trainer:
         self.weights_store: PayloadStore | None = None
         self.rewards: deque[float] = deque(maxlen=settings.reward_window)
         self.wait_s = 0.0
+        # The last step's weights being put and announced, beside the next batch's reading.
+        self.announcing: asyncio.Future[int] | None = None
         self.started = self.last_step_end = time.monotonic()
         self.log = get_logger(__name__, run_id=run_id, worker_id="trainer")
 
@@ -272,8 +274,10 @@ class Trainer:
     ) -> int:
         """StepCompleted first: with the logged rollouts it determines the new weights, so a
         crash before they are announced is repaired by replay. The weights are exported while
-        it is on its way (its round trip hidden behind the export's CPU work); they are put and
-        announced once it is stored. Returns its stream sequence."""
+        it is on its way (its round trip hidden behind the export's CPU work); once it is
+        stored they are put and announced in the background (``announcing``), beside the next
+        batch's reading: the next train call waits for them (:meth:`announced`), so the log's
+        order is as if awaited here and the call runs alone. Returns its stream sequence."""
         publishing = asyncio.ensure_future(
             self.bus.publish(
                 ev.new_event(
@@ -300,8 +304,15 @@ class Trainer:
             publishing.cancel()
             raise
         ack = await publishing
-        await self.announce_version(exported)
+        self.announcing = asyncio.ensure_future(self.announce_version(exported))
         return int(ack.seq)
+
+    async def announced(self) -> None:
+        """The last step's weights put and announced (raising what their put raised): before
+        the next train call, and before the trainer ends."""
+        task, self.announcing = self.announcing, None
+        if task is not None:
+            await task
 
     async def withhold(self, group: Group, reason: ev.WithheldReason, detail: str) -> None:
         """Withhold every member of ``group`` (one RolloutWithheld each), then ack what brought
@@ -343,6 +354,7 @@ class Trainer:
         export's thread leave the loop idle)."""
         t0 = time.perf_counter()
         rollouts = await self.inputs(groups)
+        await self.announced()
         u, self.under_way = self.under_way, StepUnderWay()
         if u.groups:
             metrics = await asyncio.to_thread(self.core.finish_step, rollouts)
@@ -443,12 +455,10 @@ class Trainer:
         """The step's per-token trainer log-probs and routing differences as one array (in the
         payload store when large), when the engine records them and the run wants them."""
         stats = self.core.engine.step_token_stats()
-        if not stats or not self.s.record_token_stats:
+        if stats is None or not len(stats) or not self.s.record_token_stats:
             return None
         assert self.payloads is not None
-        return await self.payloads.put_array(
-            f"token-stats-{step}", np.concatenate([s.numpy() for s in stats])
-        )
+        return await self.payloads.put_array(f"token-stats-{step}", stats.numpy())
 
     def done(self) -> bool:
         if self.version >= self.s.max_steps:
@@ -463,8 +473,14 @@ class Trainer:
     # ---------------------------------------------------------------- loop
 
     async def admit_arrived(self, consumer: PullConsumer[ev.RolloutsScored]) -> None:
-        """Admit what the server already holds for this trainer, without waiting for more."""
+        """Admit what the server already holds for this trainer, without waiting for more, and
+        read and check the fresh groups that are whole: beside the weights' export, whose
+        thread works through their reads' round trips."""
         await self.admit_all(consumer, await consumer.fetch_batch(FETCH_BATCH, wait=False))
+        limit = self.s.max_off_policy_steps
+        fresh = [g for g in self.buffer.ready() if self.version - g.oldest_version() <= limit]
+        if fresh:
+            await self.vet(consumer, fresh)
 
     async def admit_all(
         self, consumer: PullConsumer[ev.RolloutsScored], got: Batch[ev.RolloutsScored]
@@ -683,6 +699,7 @@ class Trainer:
                 after=train_when_ready,
                 settle_failures=False,
             )
+        await self.announced()
         # Rollouts held for groups not yet complete go back at once (not after an ack wait): to
         # a resumed trainer, or to the close-out that withholds them when the run has finished.
         for d in self.buffer.held():
