@@ -39,6 +39,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from jetrl.policy.models import ModelConfig
@@ -100,6 +101,22 @@ class PackedLayout:
                 sl = sl[mask[p.row, p.completion_pos : p.completion_pos + p.completion_len].bool()]
             out.append(sl)
         return out
+
+    def completions(self, values: torch.Tensor) -> torch.Tensor:
+        """:meth:`per_rollout`'s slices joined, in the same order, by one gather: a step holds
+        hundreds of rollouts, and a slice each is a dispatch each."""
+        want = (self.num_rows, self.width - 1)
+        if tuple(values.shape[:2]) != want:
+            raise ValueError(
+                f"values {tuple(values.shape)} do not match the packed layout's [B, L-1] = {want}"
+            )
+        n = len(self.placements)
+        clen = np.fromiter((p.completion_len for p in self.placements), np.int64, n)
+        first = np.fromiter((p.row * want[1] + p.completion_pos for p in self.placements), np.int64, n)
+        # Token j of placement k lies at first[k] + j of the flattened [B * (L-1)] positions.
+        ends = np.cumsum(clen)
+        flat = np.arange(int(ends[-1]) if n else 0, dtype=np.int64) + np.repeat(first - (ends - clen), clen)
+        return values.reshape(-1, *values.shape[2:])[torch.from_numpy(flat)]
 
 
 def pack_rows(lengths: Sequence[int], row_len: int) -> list[list[int]]:

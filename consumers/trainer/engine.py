@@ -40,10 +40,11 @@ class TrainEngine(Protocol):
         """One optimizer step on ``rollouts``, in this order; returns the step's metrics."""
         ...
 
-    def step_token_stats(self) -> list[torch.Tensor] | None:
-        """Of the last ``step``, per rollout: float32 ``[completion tokens, 2]``, each token's
-        trainer log-prob and how many MoE layers' own routing differed from the replayed one
-        (None: the engine does not record them). What the monitor's inspector shows."""
+    def step_token_stats(self) -> torch.Tensor | None:
+        """Of the last ``step``, its rollouts' completion tokens, rollout after rollout:
+        float32 ``[tokens, 2]``, each token's trainer log-prob and how many MoE layers' own
+        routing differed from the replayed one (None: the engine does not record them). What
+        the monitor's inspector shows."""
         ...
 
     def checksum(self) -> str:

@@ -38,7 +38,7 @@ class LocalTrainEngine:
         self.optimizer = make_optimizer(self.model, lr=s.lr, weight_decay=s.weight_decay)
         self.loss_cfg = LossConfig.clipped(s.ratio_clip, kl_coef=s.kl_coef, entropy_coef=s.entropy_coef)
         self.replay = s.replay and self.mcfg.is_moe
-        self.last_token_stats: list[torch.Tensor] | None = None
+        self.last_token_stats: torch.Tensor | None = None
         self.accumulator = StepAccumulator(
             self.model,
             self.optimizer,
@@ -68,21 +68,21 @@ class LocalTrainEngine:
             temperature=self.temperature,
             token_stats=stats,
         )
-        self.last_token_stats = layout.per_rollout(stats[0])
+        self.last_token_stats = layout.completions(stats[0])
         return metrics
 
     def accumulate(self, rollouts: Sequence[Rollout]) -> None:
         stats: list[torch.Tensor] = []
         batch, layout = collate_for(rollouts, self.mcfg, self.s.pack_tokens)
         self.accumulator.add(batch, token_stats=stats)
-        self._accumulated_stats += layout.per_rollout(stats[0])
+        self._accumulated_stats.append(layout.completions(stats[0]))
 
     def finish_step(self) -> dict[str, float]:
         metrics = self.accumulator.finish()
-        self.last_token_stats, self._accumulated_stats = self._accumulated_stats, []
+        self.last_token_stats, self._accumulated_stats = torch.cat(self._accumulated_stats), []
         return metrics
 
-    def step_token_stats(self) -> list[torch.Tensor] | None:
+    def step_token_stats(self) -> torch.Tensor | None:
         return self.last_token_stats
 
     def checksum(self) -> str:

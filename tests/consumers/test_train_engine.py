@@ -48,8 +48,9 @@ def test_engine_logprobs_replay_what_inference_sampled_and_a_step_moves_the_weig
     # The step's token records: the log-probs it trained from, and no routing differences
     # (the replayed experts are those the same weights chose).
     stats = engine.step_token_stats()
-    assert stats is not None and len(stats) == len(rollouts)
-    for s, lp, r in zip(stats, want, rollouts, strict=True):
+    assert stats is not None and len(stats) == sum(len(r.completion_ids) for r in rollouts)
+    pieces = stats.split([len(r.completion_ids) for r in rollouts])
+    for s, lp, r in zip(pieces, want, rollouts, strict=True):
         assert s.shape == (len(r.completion_ids), 2)
         assert torch.equal(s[:, 0], lp) and not bool(s[:, 1].any())
     assert metrics["num_tokens"] > 0 and engine.checksum() != before
@@ -91,8 +92,9 @@ def test_a_packed_step_trains_what_the_padded_step_trains() -> None:
     for k in ("loss", "grad_norm", "entropy", "num_tokens"):
         assert m_packed[k] == pytest.approx(m_padded[k], rel=1e-4, abs=1e-6), k
     assert m_padded["grad_norm"] > 0
-    for a, b in zip(packed.step_token_stats() or [], padded.step_token_stats() or [], strict=True):
-        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=0)
+    sa, sb = packed.step_token_stats(), padded.step_token_stats()
+    assert sa is not None and sb is not None
+    assert sa.shape == sb.shape and torch.allclose(sa, sb, atol=1e-5, rtol=0)
     wa, wb = packed.model.state_dict(), padded.model.state_dict()
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4
 
@@ -109,9 +111,11 @@ def test_a_streaming_step_is_taken_again_the_same_way_from_its_micro_batches() -
     live.accumulate(rollouts[:1])  # the live trainer: the first group as it came...
     live.finish_step(rollouts[1:])  # ...the rest when the step was whole
     stats = live.engine.step_token_stats()
-    assert stats is not None and [len(s) for s in stats] == [len(r.completion_ids) for r in rollouts]
+    assert stats is not None and len(stats) == sum(len(r.completion_ids) for r in rollouts)
     metrics = again.train(rollouts, [1, 3])
     assert live.checksum() == again.checksum() != before
+    again_stats = again.engine.step_token_stats()
+    assert again_stats is not None and torch.equal(again_stats, stats)
     assert metrics["num_tokens"] == sum(len(r.completion_ids) for r in rollouts)
     with pytest.raises(ValueError, match="do not split"):
         again.train(rollouts, [1, 2])

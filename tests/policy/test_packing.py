@@ -13,7 +13,7 @@ import torch
 
 from jetrl.policy.loss import LossConfig, mismatch_stats, rl_loss
 from jetrl.policy.models import CachedSDPA, PackedMask, build_model, get_config
-from jetrl.policy.packing import PackedLayout, collate_packed, pack_rows
+from jetrl.policy.packing import PackedLayout, collate_for, collate_packed, pack_rows
 from jetrl.policy.routing import replay_routing
 from jetrl.policy.train import (
     Rollout,
@@ -147,6 +147,18 @@ def test_per_rollout_gives_the_padded_batchs_slices():
     # trailing dims (token stats [B, L-1, 2]) come along
     stats = torch.stack([packed.inference_logprobs, packed.loss_mask.float()], -1)
     assert lay.per_rollout(stats)[0].shape == (len(rolls[0].completion_ids), 2)
+
+
+@pytest.mark.parametrize("row_len", [0, 24])
+def test_completions_join_the_per_rollout_slices_in_order(row_len):
+    cfg = get_config("tiny-moe")
+    rolls = _rollouts(cfg, seed=2)
+    batch, lay = collate_for(rolls, cfg, row_len)
+    stats = torch.stack([batch.inference_logprobs, torch.rand(batch.inference_logprobs.shape)], -1)
+    for values in (batch.inference_logprobs, stats):
+        assert torch.equal(lay.completions(values), torch.cat(lay.per_rollout(values)))
+    with pytest.raises(ValueError, match="do not match"):
+        lay.completions(stats[:, 1:])
 
 
 @pytest.mark.parametrize(("name", "replay"), [("tiny-dense", False), ("tiny-moe", True), ("tiny-moe", False)])

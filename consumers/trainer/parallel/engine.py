@@ -65,7 +65,7 @@ class ParallelTrainEngine:
         metrics: dict[str, float] = self._run("step", list(rollouts))
         return metrics
 
-    def step_token_stats(self) -> list[torch.Tensor] | None:
+    def step_token_stats(self) -> torch.Tensor | None:
         return self.local.last_token_stats
 
     def checksum(self) -> str:

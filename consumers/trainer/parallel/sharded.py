@@ -122,7 +122,7 @@ class ShardedPolicy:
         self.optimizer = make_optimizer(model, lr=s.lr, weight_decay=s.weight_decay)
         self.loss_cfg = LossConfig.clipped(s.ratio_clip, kl_coef=s.kl_coef, entropy_coef=s.entropy_coef)
         self.replay = s.replay and self.mcfg.is_moe
-        self.last_token_stats: list[torch.Tensor] | None = None
+        self.last_token_stats: torch.Tensor | None = None
         # Names and per-expert tensors of Hugging Face's layout, one tensor at a time (a meta
         # tensor too, to lay out the bytes before gathering).
         self._to_hf = state_dict_adapter(self.mcfg).to_hf
@@ -198,7 +198,8 @@ class ShardedPolicy:
         metrics["grad_norm"] = float(norm)
         assert rollouts is not None
         kept = [by_index[i] for i in range(len(rollouts))]
-        self.last_token_stats = None if any(t is None for t in kept) else [t for t in kept if t is not None]
+        whole = [t for t in kept if t is not None]
+        self.last_token_stats = torch.cat(whole) if len(whole) == len(kept) else None
         return metrics
 
     def logprobs(self, rollouts: Sequence[Rollout] | None) -> list[torch.Tensor] | None:

@@ -49,7 +49,7 @@ class TallyEngine:
         self.steps += 1
         return {"loss": 0.0, "tally_launched": self.launched}
 
-    def step_token_stats(self) -> list[torch.Tensor] | None:
+    def step_token_stats(self) -> torch.Tensor | None:
         return None
 
     def checksum(self) -> str:
