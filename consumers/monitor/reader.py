@@ -78,7 +78,7 @@ async def follow(
         if item.event is None:
             state.undecodable += 1
             continue
-        fact = fact_of(item.seq, item.subject, item.event)
+        fact = fact_of(item.seq, item.subject, item.event, payloads=False)
         if fact is None:
             continue
         point = state.apply(fact)

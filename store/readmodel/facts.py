@@ -457,8 +457,8 @@ def _generated(seq: int, subject: str, e: ev.Event, b: ev.CompletionsGenerated) 
     )
 
 
-def _scored(seq: int, subject: str, e: ev.Event, b: ev.RolloutsScored) -> Scored:
-    prompt = array_json(b.prompt_tokens)
+def _scored(seq: int, subject: str, e: ev.Event, b: ev.RolloutsScored, payloads: bool = True) -> Scored:
+    prompt = array_json(b.prompt_tokens) if payloads else None
     return Scored(
         seq,
         e.time,
@@ -479,7 +479,9 @@ def _scored(seq: int, subject: str, e: ev.Event, b: ev.RolloutsScored) -> Scored
                     "completion_tokens": array_json(r.completion_tokens),
                     "logprobs": array_json(r.logprobs),
                     "routing_trace": array_json(r.routing_trace),
-                },
+                }
+                if payloads
+                else {},
             )
             for r in sorted(b.rollouts, key=lambda r: r.sample_index)
         ),
@@ -627,8 +629,13 @@ FACT_OF: dict[type[ev.EventBody], Reader] = dict(
 )
 
 
-def fact_of(seq: int, subject: str, event: ev.Event) -> Fact | None:
-    """The fact one event of the log states (None for a body this code does not read)."""
+def fact_of(seq: int, subject: str, event: ev.Event, *, payloads: bool = True) -> Fact | None:
+    """The fact one event of the log states (None for a body this code does not read).
+    ``payloads=False``: a scored rollout's ``payloads`` (where its arrays lie, what the store
+    keeps) left empty, for a reader that never looks at them (the monitor's series: building
+    them was a quarter of its CPU)."""
     body = event.body
+    if not payloads and type(body) is ev.RolloutsScored:
+        return _scored(seq, subject, event, body, payloads=False)
     read = FACT_OF.get(type(body))
     return read(seq, subject, event, body) if read is not None else None

@@ -97,6 +97,11 @@ def test_every_event_is_read_as_the_fact_that_names_it() -> None:
     assert scored.rollouts[0].length == first.completion_tokens.shape[0]  # type: ignore[index]
     assert scored.rollouts[0].payloads["completion_tokens"] == rm.array_json(first.completion_tokens)
     assert scored.rollouts[0].payloads["prompt_tokens"] == rm.array_json(body.prompt_tokens)
+    # Without payloads (the monitor's read): the same fact, where the arrays lie left out.
+    bare = rm.fact_of(item.seq, item.subject, item.event, payloads=False)
+    assert isinstance(bare, rm.Scored) and all(r.payloads == {} for r in bare.rollouts)
+    assert bare.rollouts == tuple(msgspec.structs.replace(r, payloads={}) for r in scored.rollouts)
+    assert msgspec.structs.replace(bare, rollouts=scored.rollouts) == scored
     loaded = ev.new_event(ev.WeightsLoaded(version=3, worker_id="w"), run_id="rm-each")
     fact = rm.fact_of(1, "jetrl.rm-each.worker.vllm.w", loaded)
     assert isinstance(fact, rm.Loaded) and fact.kind == "vllm"  # the kind is the subject's
