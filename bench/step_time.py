@@ -2,7 +2,8 @@
 
 Runs the demo (configs/demo.toml, recorder off unless ``--recorder``) on its own nats-server,
 and from step ``--from-step`` to the end reads every process's CPU time (user + system, from
-/proc: the parts, the nats-server, the supervisor) and the wall time. Per step it prints the
+/proc: the parts with their own child processes, such as the recorder's writer, the
+nats-server, the supervisor) and the wall time. Per step it prints the
 wall milliseconds, each process's CPU milliseconds and their sum against the cores' capacity
 (wall x cores): what the machine spends a step on, and who spends it. The trainer's own split
 of its step (the StepCompleted metrics ``step_s``; ``trainer_read_s``, reading and checking the
@@ -61,6 +62,28 @@ def cpu_s(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
+def descendants(pid: int) -> list[int]:
+    """A process's live children, theirs, and so on (the recorder's writer process, say)."""
+    out, todo = [], [pid]
+    while todo:
+        for listing in Path(f"/proc/{todo.pop()}/task").glob("*/children"):
+            try:
+                kids = [int(k) for k in listing.read_text().split()]
+            except OSError:
+                continue
+            out += kids
+            todo += kids
+    return out
+
+
+def part_cpu_s(pid: int) -> float | None:
+    """A part's CPU seconds with its live descendants' (None once it is gone)."""
+    own = cpu_s(pid)
+    if own is None:
+        return None
+    return own + sum(c for k in descendants(pid) if (c := cpu_s(k)) is not None)
+
+
 def processes(sup: Supervisor) -> dict[str, int]:
     out = {p.name: p.proc.pid for p in sup.parts if p.proc is not None}
     if sup.server is not None and sup.server.proc is not None:
@@ -69,13 +92,18 @@ def processes(sup: Supervisor) -> dict[str, int]:
     return out
 
 
+def cpu_of(name: str, pid: int) -> float | None:
+    """A part's CPU with its children's; the supervisor's alone (the parts are not its own)."""
+    return cpu_s(pid) if name == "supervisor" else part_cpu_s(pid)
+
+
 async def run(sup: Supervisor, from_step: int) -> tuple[dict[str, float], float, int, int]:
     """Run to the end; CPU seconds per process and wall seconds between step ``from_step`` and
     the last step, and the two steps' numbers."""
     task = asyncio.create_task(sup.run())
     while len(sup.progress.steps) < from_step and not task.done():
         await asyncio.sleep(0.05)
-    start = {name: cpu_s(pid) for name, pid in processes(sup).items()}
+    start = {name: cpu_of(name, pid) for name, pid in processes(sup).items()}
     t0, s0 = time.monotonic(), len(sup.progress.steps)
     last: dict[str, float | None] = dict(start)
     t1, s1 = t0, s0
@@ -83,7 +111,7 @@ async def run(sup: Supervisor, from_step: int) -> tuple[dict[str, float], float,
         await asyncio.sleep(0.05)
         if len(sup.progress.steps) > s1:  # read at each new step: the parts are gone at the end
             for name, pid in processes(sup).items():
-                last[name] = cpu_s(pid) or last.get(name)
+                last[name] = cpu_of(name, pid) or last.get(name)
             t1, s1 = time.monotonic(), len(sup.progress.steps)
     await task
     used = {n: (last[n] or 0.0) - (start.get(n) or 0.0) for n in last if start.get(n) is not None}
