@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, TypeVar, cast
@@ -303,10 +304,14 @@ class PullConsumer(Generic[B]):
         after: Callable[[], Awaitable[bool]] | None = None,
         prefetch: bool = False,
         settle_failures: bool = True,
+        gather_s: float = 0.0,
     ) -> None:
         """The consumer loop: fetch up to ``batch`` events, hand them to ``handler``, then call
         ``after`` (with or without events: periodic work; it returns True to end the loop),
-        until ``stop`` is set.
+        until ``stop`` is set. ``gather_s``: after a batch short of ``batch`` events, the next
+        fetch waits until that long after this one began, so that a consumer keeping up with
+        the log handles what came meanwhile at once rather than a few events at a time (the
+        recorder: a transaction each).
 
         A handler settles what it is done with and may keep deliveries for later batches (the
         trainer holds partial groups). When it raises, the batch's unsettled deliveries are
@@ -317,9 +322,11 @@ class PullConsumer(Generic[B]):
         pending: asyncio.Task[Batch[B]] | None = None
         try:
             while not stop.is_set():
+                began = time.monotonic()
                 got = await (pending or self.fetch_batch(batch, fetch_timeout, stop=stop))
                 pending = None
-                if got and prefetch and not stop.is_set():
+                short = len(got.deliveries) + len(got.dead_lettered) < batch
+                if got and prefetch and not (gather_s and short) and not stop.is_set():
                     pending = asyncio.create_task(self.fetch_batch(batch, fetch_timeout, stop=stop))
                 if got:
                     try:
@@ -333,6 +340,9 @@ class PullConsumer(Generic[B]):
                                 await self.settle_failure(d, exc)
                 if after is not None and await after():
                     return
+                if gather_s and short and got and (rest := began + gather_s - time.monotonic()) > 0:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), rest)
         finally:
             if pending is not None:
                 pending.cancel()

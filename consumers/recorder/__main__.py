@@ -20,7 +20,7 @@ from jetrl.store.db import open_store_for_writing
 
 async def record(bus: Bus, run_id: str, s: RecorderPart, stop: asyncio.Event) -> int:
     store = open_store_for_writing(s.db)
-    rec = Recorder(bus, store, run_id, durable=s.durable, batch=s.batch, writer=s.writer)
+    rec = Recorder(bus, store, run_id, durable=s.durable, batch=s.batch, writer=s.writer, gather_s=s.gather_s)
     configure_gc()
     stopper = asyncio.create_task(stop.wait())
     stopper.add_done_callback(lambda _: rec.stop())

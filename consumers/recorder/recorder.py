@@ -119,6 +119,7 @@ class Recorder:
         log_every_s: float = 5.0,
         stall_s: float = 5.0,
         writer: WriterKind | None = None,
+        gather_s: float = 0.25,
     ) -> None:
         self.bus = bus
         self.store = store
@@ -127,6 +128,8 @@ class Recorder:
         self.stream = stream_name(run_id)
         self.batch = batch
         self.fetch_timeout = fetch_timeout
+        # Keeping up with the log, a batch is what came within this long: one transaction.
+        self.gather_s = gather_s
         self.ack_wait = ack_wait
         self.log_every_s = log_every_s
         # Nothing delivered for this long while the oldest unrecorded event has waited as long:
@@ -334,6 +337,7 @@ class Recorder:
                         after=done,
                         prefetch=True,
                         settle_failures=False,
+                        gather_s=self.gather_s,
                     )
                     return
                 except _Gap as gap:

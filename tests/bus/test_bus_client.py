@@ -374,6 +374,49 @@ async def test_a_consumer_takes_its_body_type_and_passes_over_skipped_types(bus:
     assert [d.original_type for d in dead] == ["PolicyVersionPublished"]
 
 
+@pytest.mark.parametrize("gather_s", [0.0, 0.5])
+async def test_a_consumer_keeping_up_gathers_what_comes_into_fewer_batches(
+    bus: Bus, run_id: str, gather_s: float
+) -> None:
+    """30 events published 20 ms apart to a consumer that keeps up: one or two a batch, or,
+    with ``gather_s``, what came meanwhile in one batch (a transaction each for the recorder);
+    every event handled once, in order, either way."""
+    spec = ConsumerSpec(
+        run_id=run_id, durable=f"gather-{int(gather_s * 10)}", filter_subjects=[subjects.step_subject(run_id)]
+    )
+    c = await bus.consumer(spec, ev.StepCompleted)
+    sizes: list[int] = []
+    steps: list[int] = []
+
+    async def keep(batch: Batch[ev.StepCompleted]) -> None:
+        sizes.append(len(batch.deliveries))
+        for d in batch.deliveries:
+            steps.append(d.body.step)
+            await d.ack()
+
+    async def until_all() -> bool:
+        return len(steps) >= 30
+
+    async def publish() -> None:
+        for k in range(30):
+            await bus.publish(
+                ev.new_event(ev.StepCompleted(step=k, policy_version=k + 1, rollout_ids=[]), run_id=run_id)
+            )
+            await asyncio.sleep(0.02)
+
+    feeding = asyncio.create_task(publish())
+    await asyncio.wait_for(
+        c.run_batches(keep, batch=100, fetch_timeout=0.5, after=until_all, prefetch=True, gather_s=gather_s),
+        timeout=20,
+    )
+    await feeding
+    assert steps == list(range(30))
+    if gather_s:
+        assert len(sizes) <= 6, sizes  # ~0.6 s of publishing, 0.5 s gathered a batch
+    else:
+        assert len(sizes) >= 10, sizes
+
+
 async def test_large_events_arrive_once_without_waiting_out_an_ack_wait(bus: Bus, run_id: str) -> None:
     """2,500 events of 64 KiB fetched 256 at a time: each is delivered once, none waits out the
     ack wait (60 s; the reader gives up at 40 s). Requests that left more than the server's
