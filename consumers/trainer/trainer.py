@@ -349,9 +349,10 @@ class Trainer:
         self, consumer: PullConsumer[ev.RolloutsScored], groups: list[Group], wait_s: float, read_s: float
     ) -> None:
         """Train on ``groups`` (after a streaming step's groups under way) and publish the step.
-        Unless it is the last, the groups the chain scored during the train call are fetched
-        and admitted while the step's events and weights go out (its round trips and the
-        export's thread leave the loop idle)."""
+        Unless it is the last, the groups the chain scored during the train call are fetched,
+        admitted and read while StepCompleted goes out and the weights are exported (its round
+        trip and the export's thread leave the loop idle); the weights' put and announcements
+        follow in the background (:meth:`publish_step`)."""
         t0 = time.perf_counter()
         rollouts = await self.inputs(groups)
         await self.announced()
