@@ -461,6 +461,10 @@ class Trainer:
         assert self.payloads is not None
         return await self.payloads.put_array(f"token-stats-{step}", stats.numpy())
 
+    def staleness(self, g: Group) -> int:
+        """How many versions the trainer is past the group's oldest rollout's."""
+        return self.version - g.oldest_version()
+
     def done(self) -> bool:
         if self.version >= self.s.max_steps:
             return True
@@ -478,8 +482,7 @@ class Trainer:
         read and check the fresh groups that are whole: beside the weights' export, whose
         thread works through their reads' round trips."""
         await self.admit_all(consumer, await consumer.fetch_batch(FETCH_BATCH, wait=False))
-        limit = self.s.max_off_policy_steps
-        fresh = [g for g in self.buffer.ready() if self.version - g.oldest_version() <= limit]
+        fresh = [g for g in self.buffer.ready() if self.staleness(g) <= self.s.max_off_policy_steps]
         if fresh:
             await self.vet(consumer, fresh)
 
@@ -621,7 +624,7 @@ class Trainer:
         while True:
             ready = []
             for g in self.buffer.ready():
-                staleness = self.version - g.oldest_version()
+                staleness = self.staleness(g)
                 if staleness <= self.s.max_off_policy_steps:
                     ready.append(g)
                     continue
