@@ -76,14 +76,6 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def part_cpu_s(pid: int) -> float | None:
-    """A part's CPU seconds with its live descendants' (None once it is gone)."""
-    own = cpu_s(pid)
-    if own is None:
-        return None
-    return own + sum(c for k in descendants(pid) if (c := cpu_s(k)) is not None)
-
-
 def processes(sup: Supervisor) -> dict[str, int]:
     out = {p.name: p.proc.pid for p in sup.parts if p.proc is not None}
     if sup.server is not None and sup.server.proc is not None:
@@ -93,8 +85,12 @@ def processes(sup: Supervisor) -> dict[str, int]:
 
 
 def cpu_of(name: str, pid: int) -> float | None:
-    """A part's CPU with its children's; the supervisor's alone (the parts are not its own)."""
-    return cpu_s(pid) if name == "supervisor" else part_cpu_s(pid)
+    """A part's CPU seconds with its live descendants'; the supervisor's alone (the parts are
+    not its children); None once it is gone."""
+    own = cpu_s(pid)
+    if own is None or name == "supervisor":
+        return own
+    return own + sum(c for k in descendants(pid) if (c := cpu_s(k)) is not None)
 
 
 async def run(sup: Supervisor, from_step: int) -> tuple[dict[str, float], float, int, int]:
