@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import tempfile
@@ -53,10 +54,12 @@ ROOT = Path(__file__).resolve().parents[1]
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def cpu_s(pid: int) -> float | None:
-    """User + system CPU seconds of a live process (None once it is gone)."""
+def cpu_s(pid: int, thread: int | None = None) -> float | None:
+    """User + system CPU seconds of a live process, or of its thread ``thread`` (None once it
+    is gone)."""
+    stat = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = Path(stat).read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / TICK
@@ -81,12 +84,22 @@ def processes(sup: Supervisor) -> dict[str, int]:
     if sup.server is not None and sup.server.proc is not None:
         out["nats-server"] = sup.server.proc.pid
     out["supervisor"] = os.getpid()
+    if "trainer" in out:
+        out[TRAINER_LOOP] = out["trainer"]
     return out
+
+
+# The trainer's main thread: its event loop (fetching, admitting, reading and checking the
+# arrays, the step's events, the acks), the pipeline's own work in the trainer's process; the
+# train call and the weights' export run on other threads.
+TRAINER_LOOP = "trainer's event loop"
 
 
 def cpu_of(name: str, pid: int) -> float | None:
     """A part's CPU seconds with its live descendants'; the supervisor's alone (the parts are
-    not its children); None once it is gone."""
+    not its children); the trainer's main thread's (:data:`TRAINER_LOOP`); None once it is gone."""
+    if name == TRAINER_LOOP:
+        return cpu_s(pid, pid)  # a process's main thread has the process's id
     own = cpu_s(pid)
     if own is None or name == "supervisor":
         return own
@@ -123,12 +136,14 @@ class Round(NamedTuple):
     trainer_s: float | None
     loop_s: float | None
     work_s: float | None
+    trainer_loop_s: float | None = None  # the trainer's event loop's CPU a step
 
 
 def jetrl_round(
     cfg: RunConfig, steps: int, from_step: int, over: list[str], cores: int
-) -> tuple[float, float, float | None]:
-    """The demo under `jetrl run`, its figures printed; wall, CPU and the trainer's CPU a step."""
+) -> tuple[float, float, float | None, float | None, dict[str, float]]:
+    """The demo under `jetrl run`, its figures printed; wall, CPU, the trainer's CPU and its
+    event loop's a step, and each process's CPU a step."""
     with tempfile.TemporaryDirectory() as tmp:
         print(f"running the demo for {steps} steps (jetrl run, each part a process)...", flush=True)
         sup = Supervisor(cfg, "steptime", Path(tmp) / "steptime", quiet=True)
@@ -137,6 +152,7 @@ def jetrl_round(
     n = max(s1 - s0, 1)
     print(f"the demo, steps {s0}..{s1} ({n} steps), {cores} cores, overrides {over or 'none'}")
     print(f"  wall                 {wall / n * 1e3:8.1f} ms a step ({n / wall:.1f} steps/s)")
+    loop_s = used.pop(TRAINER_LOOP, None)  # a part of the trainer's, not a process of its own
     for name, s in sorted(used.items(), key=lambda kv: -kv[1]):
         print(f"  {name:<20} {s / n * 1e3:8.1f} ms CPU a step")
     total = sum(used.values())
@@ -154,10 +170,17 @@ def jetrl_round(
             f"waiting for rollouts {wait_s * 1e3:.1f} ms, "
             f"publishing and admitting {rest_s * 1e3:.1f} ms a step"
         )
+        if loop_s is not None and "trainer" in used:
+            print(
+                f"  trainer's CPU: its event loop {loop_s / n * 1e3:.1f} ms a step (reading, checking, "
+                f"events, acks), its other threads {(used['trainer'] - loop_s) / n * 1e3:.1f} ms "
+                "(the train call, the weights' export)"
+            )
         streamed = int(sum(m.get("streamed", 0.0) for m in sup.progress.steps))
         print(f"  steps taken as their groups came ([trainer] stream_groups): {streamed} of {s1}")
     trainer = used["trainer"] / n if "trainer" in used else None
-    return wall / n, total / n, trainer
+    parts = {name: s / n for name, s in used.items()}
+    return wall / n, total / n, trainer, None if loop_s is None else loop_s / n, parts
 
 
 def main() -> None:
@@ -173,6 +196,12 @@ def main() -> None:
         help="jetrl, the loop and the model's work measured this many times, one after another: "
         "the summary is of the rounds' medians (this machine's speed drifts within minutes)",
     )
+    ap.add_argument(
+        "--json",
+        type=Path,
+        help="also write each round's figures here (a step's seconds: wall, CPU, each process's, "
+        "the trainer's event loop's): bench/ab.py reads them",
+    )
     ap.add_argument("over", nargs="*", help="config overrides, after --")
     args = ap.parse_args()
     configure("warning")
@@ -181,10 +210,13 @@ def main() -> None:
     cfg = load_config(ROOT / "configs" / "demo.toml", over)
     cores = os.cpu_count() or 1
     rounds: list[Round] = []
+    figures: list[dict[str, object]] = []
     for r in range(max(args.rounds, 1)):
         if args.rounds > 1:
             print(f"--- round {r + 1} of {args.rounds}")
-        wall, cpu, trainer = jetrl_round(cfg, args.steps, args.from_step, args.over, cores)
+        got = jetrl_round(cfg, args.steps, args.from_step, args.over, cores)
+        wall, cpu, trainer, trainer_loop, parts = got
+        figures.append({"wall_s": wall, "cpu_s": cpu, "trainer_loop_s": trainer_loop, "parts": parts})
         loop = work = None
         if args.loop:
             with tempfile.TemporaryDirectory() as tmp:
@@ -210,8 +242,11 @@ def main() -> None:
                 trainer,
                 None if loop is None else loop.wall_s,
                 None if work is None else work.total_s,
+                trainer_loop,
             )
         )
+    if args.json is not None:
+        args.json.write_text(json.dumps({"rounds": figures}, indent=1))
     summarise(rounds, cores, args.loop)
 
 
@@ -230,6 +265,12 @@ def summarise(rounds: list[Round], cores: int, with_loop: bool) -> None:
         f"step time {wall * 1e3:.1f} ms, CPU {cpu * 1e3:.1f} ms a step "
         f"({cpu / wall / cores:.0%} of the cores){of}"
     )
+    trainer_loop = _median([r.trainer_loop_s for r in rounds if r.trainer_loop_s is not None])
+    if trainer_loop is not None:
+        print(
+            f"trainer's event loop {trainer_loop * 1e3:.1f} ms CPU a step (its process's work beside "
+            f"the train call and the export: reading, checking, events, acks){of}"
+        )
     timed = [(r, r.loop_s) for r in rounds if r.loop_s]  # the rounds with a baseline
     if not timed:
         if with_loop:

@@ -186,3 +186,25 @@ def test_stall_bench_describes_a_stalled_run_and_one_that_ended_at_once() -> Non
     assert stall.describe(stall.Outcome(1, 1001, 437, 30.4, 0.93, 0.6, 0.2), 1500) == (
         "seed 1 sample 1001: reached in 437 steps (30 s)"
     )
+
+
+def test_ab_sign_test_and_summary(capsys: pytest.CaptureFixture[str]) -> None:
+    ab = load_bench("ab")
+    assert ab.sign_test_p(4, 4) == 0.125
+    assert ab.sign_test_p(0, 4) == 0.125  # as far from even the other way
+    assert ab.sign_test_p(2, 4) == 1.0
+    assert abs(ab.sign_test_p(6, 6) - 0.03125) < 1e-12
+    ab.summarise([], "abc1234")  # every round failed on one side: a line, no crash
+    assert capsys.readouterr().out.strip() == "ab step time this tree/abc1234: no round ran on both sides"
+    base = {"wall_s": 0.060, "cpu_s": 0.100, "cpu of trainer": 0.050}
+    pairs = [
+        (base, {"wall_s": 0.054, "cpu_s": 0.095, "cpu of trainer": 0.045}),
+        (base, {"wall_s": 0.057, "cpu_s": 0.105, "cpu of trainer": 0.040}),
+    ]
+    ab.summarise(pairs, "abc1234")
+    out = capsys.readouterr().out
+    # The ratio is the median of the rounds' own ratios: (0.9 + 0.95) / 2.
+    assert "ab step time this tree/abc1234 0.925x (median of 2 paired rounds; lower in 2 of 2" in out
+    assert "ab all processes' CPU this tree/abc1234 1.000x" in out and "lower in 1 of 2" in out
+    assert "cpu of trainer" in out
+    assert "trainer's event loop" not in out  # not measured on either side: not reported

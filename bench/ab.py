@@ -1,0 +1,157 @@
+"""A change's effect on a step, paired: the working tree against another commit, round by round.
+
+This machine's speed drifts by a quarter within minutes, so two figures taken apart compare the
+hours as much as the code. Here each round runs the demo once on each side, back to back, in
+alternating order (ABBA: the base first in odd rounds, the working tree first in even ones), and
+a change is judged by its ratio within each round:
+
+* the base: ``BASE`` (any commit) checked out in a temporary git worktree, imported through
+  ``PYTHONPATH`` (its ``.typecheck/jetrl`` mirror of the package; the installed jetrl, an
+  editable install of this tree, comes after it on the path);
+* the working tree as it is, uncommitted changes included.
+
+Both sides are measured by this tree's ``bench/step_time.py --no-loop`` (the same instrument: a
+base too old for it fails and says so): the wall time and the CPU a step of every process, and
+the trainer's event loop's. The summary gives each figure's median on each side and the median
+of the rounds' ratios, with how many rounds the working tree did better and the sign test's
+two-sided p (4 of 4 rounds: p = 0.125; 6 of 6: 0.031).
+
+    python bench/ab.py BASE [--rounds 4] [--steps 200] [--from-step 20] [-- config overrides]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# The figures compared, by their key in step_time's --json, and how they are printed.
+HEADLINES = {
+    "wall_s": "step time",
+    "cpu_s": "all processes' CPU",
+    "trainer_loop_s": "trainer's event loop CPU",
+}
+
+
+def sign_test_p(better: int, n: int) -> float:
+    """Two-sided p of ``better`` wins in ``n`` paired rounds if neither side were faster."""
+    k = max(better, n - better)
+    tail: float = sum(math.comb(n, i) for i in range(k, n + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def measure(tree: Path, args: argparse.Namespace, out: Path) -> dict[str, float] | None:
+    """One run of the demo with ``tree``'s jetrl; a step's figures, flat, or None when the run
+    failed (its output is shown). Both sides import jetrl alike: through the tree's
+    ``.typecheck`` mirror, first on the path."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(tree / ".typecheck"), env.get("PYTHONPATH")] if p)
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench" / "step_time.py"),
+        "--no-loop",
+        "--steps",
+        str(args.steps),
+        "--from-step",
+        str(args.from_step),
+        "--json",
+        str(out),
+        *(["--", *args.over] if args.over else []),
+    ]
+    got = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if got.returncode != 0 or not out.exists():
+        print(f"  the run failed ({got.returncode}):\n{got.stdout[-2000:]}{got.stderr[-2000:]}", flush=True)
+        return None
+    (fig,) = json.loads(out.read_text())["rounds"]
+    flat = {k: float(fig[k]) for k in HEADLINES if fig.get(k) is not None}
+    flat.update({f"cpu of {name}": float(s) for name, s in fig["parts"].items()})
+    return flat
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("base", help="the commit to compare the working tree with")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--from-step", type=int, default=20)
+    ap.add_argument("over", nargs="*", help="config overrides for both sides, after --")
+    args = ap.parse_args()
+    rev = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", args.base],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    pairs: list[tuple[dict[str, float], dict[str, float]]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        base_tree = Path(tmp) / "base"
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", "--quiet", str(base_tree), rev],
+            check=True,
+        )
+        try:
+            for r in range(args.rounds):
+                order = [("base", base_tree), ("this tree", ROOT)]
+                if r % 2:
+                    order.reverse()
+                got: dict[str, dict[str, float] | None] = {}
+                for side, tree in order:
+                    label = rev if tree == base_tree else "working tree"
+                    print(f"round {r + 1} of {args.rounds}: {side} ({label})...", flush=True)
+                    got[side] = measure(tree, args, Path(tmp) / f"r{r}-{side.replace(' ', '-')}.json")
+                base, this = got["base"], got["this tree"]
+                if base is None or this is None:
+                    continue
+                pairs.append((base, this))
+                print(
+                    "  "
+                    + ", ".join(
+                        f"{HEADLINES[k]} {base[k] * 1e3:.1f} -> {this[k] * 1e3:.1f} ms"
+                        for k in HEADLINES
+                        if k in base and k in this
+                    ),
+                    flush=True,
+                )
+        finally:
+            subprocess.run(
+                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base_tree)], check=False
+            )
+    summarise(pairs, rev)
+
+
+def summarise(pairs: list[tuple[dict[str, float], dict[str, float]]], rev: str) -> None:
+    print()
+    if not pairs:
+        print(f"ab step time this tree/{rev}: no round ran on both sides")
+        return
+    keys = [k for k in pairs[0][0] if all(k in b and k in t for b, t in pairs)]
+    n = len(pairs)
+    print(f"{'a step':<34} {rev:>10} {'this tree':>10} {'ratio':>7}  better in")
+    for k in keys:
+        base = statistics.median(b[k] for b, _ in pairs)
+        this = statistics.median(t[k] for _, t in pairs)
+        ratio = statistics.median(t[k] / b[k] for b, t in pairs if b[k] > 0) if base > 0 else float("nan")
+        better = sum(t[k] < b[k] for b, t in pairs)
+        name = HEADLINES.get(k, k)
+        print(f"{name:<34} {base * 1e3:8.1f}ms {this * 1e3:8.1f}ms {ratio:6.3f}x  {better} of {n}")
+    print()
+    for k in HEADLINES:
+        if k not in keys:
+            continue
+        ratio = statistics.median(t[k] / b[k] for b, t in pairs)
+        better = sum(t[k] < b[k] for b, t in pairs)
+        print(
+            f"ab {HEADLINES[k]} this tree/{rev} {ratio:.3f}x (median of {n} paired rounds; lower in "
+            f"{better} of {n}, sign test p = {sign_test_p(better, n):.3f})"
+        )
+
+
+if __name__ == "__main__":
+    main()
