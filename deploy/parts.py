@@ -124,7 +124,9 @@ class PartCommands:
         )
 
     def recorder(self, db: str, creds: str | None) -> PartCommand:
-        rec = self.settings_file("recorder", RecorderPart(db=db))
+        gather = self.cfg.store.recorder_gather_s
+        part = RecorderPart(db=db) if gather is None else RecorderPart(db=db, gather_s=gather)
+        rec = self.settings_file("recorder", part)
         return PartCommand(
             "recorder", self._argv("jetrl.consumers.recorder", creds, "--settings", rec), kind="recorder"
         )

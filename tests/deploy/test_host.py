@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from jetrl.deploy.config import load_config
+from jetrl.consumers.recorder.settings import RecorderPart
+from jetrl.deploy.config import ConfigError, load_config
 from jetrl.deploy.host import load_parts, run_parts
 from jetrl.deploy.parts import PartCommand, PartCommands
 
@@ -108,3 +109,17 @@ def test_hosted_groups_followers_apart_and_keeps_commands_that_cannot_be_hosted(
     # One part of a kind is left as it is; kinds not named are never hosted.
     alone = cmds.hosted(parts, ["recorder"])
     assert [c.name for c in alone] == [p.name for p in parts]
+
+
+def test_the_recorders_gather_is_a_store_setting(tmp_path: Path) -> None:
+    # `[store] recorder_gather_s` reaches the recorder's settings; unset, the recorder's default.
+    def handed(over: list[str]) -> RecorderPart:
+        cfg = load_config(None, over)
+        cmd = PartCommands(cfg, "r", tmp_path, "nats://127.0.0.1:1").recorder("sqlite:///x.db", None)
+        path = cmd.argv[cmd.argv.index("--settings") + 1].removeprefix("@")
+        return RecorderPart.model_validate_json(Path(path).read_text())
+
+    assert handed(["--store.recorder_gather_s", "1.5"]).gather_s == 1.5
+    assert handed([]).gather_s == RecorderPart(db="x").gather_s
+    with pytest.raises(ConfigError):
+        load_config(None, ["--store.recorder_gather_s", "-1"])
