@@ -9,7 +9,11 @@ wall milliseconds, each process's CPU milliseconds and their sum against the cor
 of its step (the StepCompleted metrics ``step_s``; ``trainer_read_s``, reading and checking the
 batch's arrays; ``trainer_wait_s``, waiting for a batch of fresh groups; and the rest of the
 wall time, which no metric times: the step's events and weights going out while the groups
-that came meanwhile are admitted) follows. Extra config overrides may be given after ``--``.
+that came meanwhile are admitted) follows. The trainer's CPU is also split by thread: its
+main thread, the event loop (fetching, admitting, reading and checking the arrays, the step's
+events, the acks), against its other threads (the train call, the weights' export). Extra
+config overrides may be given after ``--``; ``--json PATH`` writes each round's figures for
+bench/ab.py.
 
 The baseline, measured in the same run (unless ``--no-loop``): the same steps of the demo in
 one process with no bus (bench/overhead.py's loop: generate, score, train, synchronous, with
@@ -28,7 +32,7 @@ perfectly packed. ``--rounds N`` measures the three N times, one after another, 
 takes the medians of each round's figures: a ratio is only taken within a round (this
 machine's speed drifts by a quarter within minutes).
 
-    python bench/step_time.py [--steps 200] [--from-step 20] [--rounds 3] [--no-loop]
+    python bench/step_time.py [--steps 200] [--from-step 20] [--rounds 3] [--no-loop] [--json PATH]
                               [-- --inference.workers 1]
 """
 
@@ -121,7 +125,7 @@ async def run(sup: Supervisor, from_step: int) -> tuple[dict[str, float], float,
     while not task.done():
         await asyncio.sleep(0.05)
         # Read at a new step (the parts are gone at the end), at most every READ_EVERY_S: this
-        # process is the supervisor's, and reading /proc at every step was a third of its CPU.
+        # process is the supervisor's, and reading /proc at every step was half of its CPU.
         now = time.monotonic()
         if len(sup.progress.steps) > s1 and now - read_at >= READ_EVERY_S:
             for name, pid in processes(sup).items():
