@@ -10,13 +10,17 @@ a change is judged by its ratio within each round:
   editable install of this tree, comes after it on the path);
 * the working tree as it is, uncommitted changes included.
 
-Both sides are measured by this tree's ``bench/step_time.py --no-loop`` (the same instrument: a
-base too old for it fails and says so): the wall time and the CPU a step of every process, and
-the trainer's event loop's. The summary gives each figure's median on each side and the median
-of the rounds' ratios, with how many rounds the working tree did better and the sign test's
-two-sided p (4 of 4 rounds: p = 0.125; 6 of 6: 0.031).
+Both sides are measured by this tree's bench scripts (the same instrument: a base too old for
+them fails and says so): by default ``bench/step_time.py --no-loop``, the wall time and the CPU
+a step of every process, and the trainer's event loop's; with ``--to-target SEED ...``,
+``bench/overhead.py --jetrl-only``, `jetrl run`'s time to the demo's reward target on each seed
+and its time a step to it (the step counts may differ between the sides: asynchrony decides
+which rollouts each step gets). The summary gives each figure's median on each side and the
+median of the rounds' ratios, with how many rounds the working tree did better and the sign
+test's two-sided p (4 of 4 rounds: p = 0.125; 6 of 6: 0.031).
 
-    python bench/ab.py BASE [--rounds 4] [--steps 200] [--from-step 20] [-- config overrides]
+    python bench/ab.py BASE [--rounds 4] [--steps 200] [--from-step 20] [--to-target 0 1 2]
+                       [-- config overrides]
 """
 
 from __future__ import annotations
@@ -30,14 +34,21 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-# The figures compared, by their key in step_time's --json, and how they are printed.
-HEADLINES = {
+# The headline figures, by their key, and how they are printed: step_time's, and the time to
+# the reward target's (--to-target).
+STEP_HEADLINES = {
     "wall_s": "step time",
     "cpu_s": "all processes' CPU",
     "trainer_loop_s": "trainer's event loop CPU",
 }
+TARGET_HEADLINES = {
+    "time_to_target_s": "time to target, all seeds",
+    "per_step_s": "time a step to target",
+}
+HEADLINES = {**STEP_HEADLINES, **TARGET_HEADLINES}
 
 
 def sign_test_p(better: int, n: int) -> float:
@@ -48,19 +59,19 @@ def sign_test_p(better: int, n: int) -> float:
 
 
 def measure(tree: Path, args: argparse.Namespace, out: Path) -> dict[str, float] | None:
-    """One run of the demo with ``tree``'s jetrl; a step's figures, flat, or None when the run
+    """One measurement with ``tree``'s jetrl; its figures, flat (seconds), or None when the run
     failed (its output is shown). Both sides import jetrl alike: through the tree's
     ``.typecheck`` mirror, first on the path."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(tree / ".typecheck"), env.get("PYTHONPATH")] if p)
+    if args.to_target:
+        script = ["overhead.py", "--jetrl-only", "--seeds", *map(str, args.to_target)]
+    else:
+        script = ["step_time.py", "--no-loop", "--steps", str(args.steps), "--from-step", str(args.from_step)]
     cmd = [
         sys.executable,
-        str(ROOT / "bench" / "step_time.py"),
-        "--no-loop",
-        "--steps",
-        str(args.steps),
-        "--from-step",
-        str(args.from_step),
+        str(ROOT / "bench" / script[0]),
+        *script[1:],
         "--json",
         str(out),
         *(["--", *args.over] if args.over else []),
@@ -69,9 +80,31 @@ def measure(tree: Path, args: argparse.Namespace, out: Path) -> dict[str, float]
     if got.returncode != 0 or not out.exists():
         print(f"  the run failed ({got.returncode}):\n{got.stdout[-2000:]}{got.stderr[-2000:]}", flush=True)
         return None
-    (fig,) = json.loads(out.read_text())["rounds"]
-    flat = {k: float(fig[k]) for k in HEADLINES if fig.get(k) is not None}
+    data = json.loads(out.read_text())
+    return to_target_figures(data) if args.to_target else step_figures(data)
+
+
+def step_figures(data: dict[str, Any]) -> dict[str, float]:
+    """bench/step_time.py's one round, flat."""
+    (fig,) = data["rounds"]
+    flat = {k: float(fig[k]) for k in STEP_HEADLINES if fig.get(k) is not None}
     flat.update({f"cpu of {name}": float(s) for name, s in fig["parts"].items()})
+    return flat
+
+
+def to_target_figures(data: dict[str, Any]) -> dict[str, float] | None:
+    """bench/overhead.py --jetrl-only's seeds (one round each), flat: each seed's time to the
+    target, all of them, and their time a step; None where a seed did not reach it."""
+    flat: dict[str, float] = {}
+    steps = 0
+    for seed, (run,) in data.items():
+        if run["jet_s"] is None:
+            print(f"  seed {seed} did not reach the target in {run['jet_n']} steps", flush=True)
+            return None
+        flat[f"seed {seed} to target"] = float(run["jet_s"])
+        steps += int(run["jet_n"])
+    flat["time_to_target_s"] = sum(flat.values())
+    flat["per_step_s"] = flat["time_to_target_s"] / max(steps, 1)
     return flat
 
 
@@ -81,6 +114,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--from-step", type=int, default=20)
+    ap.add_argument(
+        "--to-target",
+        type=int,
+        nargs="+",
+        metavar="SEED",
+        help="compare `jetrl run`'s time to the demo's reward target on these seeds instead",
+    )
     ap.add_argument("over", nargs="*", help="config overrides for both sides, after --")
     args = ap.parse_args()
     rev = subprocess.run(
@@ -113,7 +153,7 @@ def main() -> None:
                 print(
                     "  "
                     + ", ".join(
-                        f"{HEADLINES[k]} {base[k] * 1e3:.1f} -> {this[k] * 1e3:.1f} ms"
+                        f"{HEADLINES[k]} {_fmt(base[k])} -> {_fmt(this[k])}"
                         for k in HEADLINES
                         if k in base and k in this
                     ),
@@ -126,21 +166,25 @@ def main() -> None:
     summarise(pairs, rev)
 
 
+def _fmt(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"
+
+
 def summarise(pairs: list[tuple[dict[str, float], dict[str, float]]], rev: str) -> None:
     print()
     if not pairs:
-        print(f"ab step time this tree/{rev}: no round ran on both sides")
+        print(f"ab this tree/{rev}: no round ran on both sides")
         return
     keys = [k for k in pairs[0][0] if all(k in b and k in t for b, t in pairs)]
     n = len(pairs)
-    print(f"{'a step':<34} {rev:>10} {'this tree':>10} {'ratio':>7}  better in")
+    print(f"{'figure':<34} {rev:>10} {'this tree':>10} {'ratio':>7}  better in")
     for k in keys:
         base = statistics.median(b[k] for b, _ in pairs)
         this = statistics.median(t[k] for _, t in pairs)
         ratio = statistics.median(t[k] / b[k] for b, t in pairs if b[k] > 0) if base > 0 else float("nan")
         better = sum(t[k] < b[k] for b, t in pairs)
         name = HEADLINES.get(k, k)
-        print(f"{name:<34} {base * 1e3:8.1f}ms {this * 1e3:8.1f}ms {ratio:6.3f}x  {better} of {n}")
+        print(f"{name:<34} {_fmt(base):>10} {_fmt(this):>10} {ratio:6.3f}x  {better} of {n}")
     print()
     for k in HEADLINES:
         if k not in keys:

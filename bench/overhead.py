@@ -13,8 +13,11 @@ Asynchrony must pay for the bus: the target is jetrl <= 1.0x of the one-process 
 floor 1.5x. ``--rounds N`` runs every seed's pair N times, round after round, and takes a seed's
 ratio of its median times: on a machine whose speed drifts, one round's median seed moves the
 headline by a tenth. Extra config overrides (both sides) may be given after ``--``.
+``--jetrl-only`` runs `jetrl run` alone (its time to the target per seed, for bench/ab.py's
+``--to-target``); ``--json PATH`` writes every seed's rounds.
 
-    python bench/overhead.py [--seeds 0 1 2 3 4] [--rounds 2] [--max-steps 1500]
+    python bench/overhead.py [--seeds 0 1 2 3 4] [--rounds 2] [--max-steps 1500] [--jetrl-only]
+                             [--json PATH]
                              [-- --inference.precision fp32]
 """
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import json
 import os
 import random
 import statistics
@@ -174,6 +178,12 @@ def main() -> None:
         help="every seed's pair run this many times, round after round: a seed's ratio is of its "
         "median times (a machine whose speed drifts moves one round's median seed by a tenth)",
     )
+    ap.add_argument(
+        "--jetrl-only",
+        action="store_true",
+        help="run only `jetrl run`, not the loop: its time to the target per seed (bench/ab.py)",
+    )
+    ap.add_argument("--json", type=Path, help="also write each seed's rounds here (bench/ab.py reads them)")
     ap.add_argument("over", nargs="*", help="config overrides, after --")
     args = ap.parse_args()
     configure("warning")
@@ -186,11 +196,21 @@ def main() -> None:
             for seed in args.seeds:
                 over = ["--run.seed", str(seed), "--trainer.max_steps", str(args.max_steps), *args.over]
                 cfg = load_config(ROOT / "configs" / "demo.toml", [*over, "--store.recorder", "false"])
-                one = one_process(cfg, Path(tmp), args.threads)
-                print(f"{label}seed {seed}: one process    {_t(one[0])} in {one[1]} steps", flush=True)
+                one: tuple[float | None, int] = (None, 0)
+                if not args.jetrl_only:
+                    one = one_process(cfg, Path(tmp), args.threads)
+                    print(f"{label}seed {seed}: one process    {_t(one[0])} in {one[1]} steps", flush=True)
                 jet = with_jetrl(cfg, srv.url, Path(tmp), f"overhead-{seed}-r{r}")
                 print(f"{label}seed {seed}: jetrl run      {_t(jet[0])} in {jet[1]} steps", flush=True)
                 pairs[seed].append(Pair(*one, *jet))
+    if args.json is not None:
+        args.json.write_text(
+            json.dumps({str(seed): [p._asdict() for p in runs] for seed, runs in pairs.items()})
+        )
+    if args.jetrl_only:
+        reached = [runs for runs in pairs.values() if all(p.jet_s is not None for p in runs)]
+        print(f"jetrl run to the target: {len(reached)} of {len(pairs)} seeds reached it in every round")
+        return
     print()
     print(f"{'seed':>4} {'one process':>14} {'jetrl run':>14} {'ratio':>7}")
     ratios, steps = [], []

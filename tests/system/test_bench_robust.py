@@ -195,7 +195,7 @@ def test_ab_sign_test_and_summary(capsys: pytest.CaptureFixture[str]) -> None:
     assert ab.sign_test_p(2, 4) == 1.0
     assert abs(ab.sign_test_p(6, 6) - 0.03125) < 1e-12
     ab.summarise([], "abc1234")  # every round failed on one side: a line, no crash
-    assert capsys.readouterr().out.strip() == "ab step time this tree/abc1234: no round ran on both sides"
+    assert capsys.readouterr().out.strip() == "ab this tree/abc1234: no round ran on both sides"
     base = {"wall_s": 0.060, "cpu_s": 0.100, "cpu of trainer": 0.050}
     pairs = [
         (base, {"wall_s": 0.054, "cpu_s": 0.095, "cpu of trainer": 0.045}),
@@ -206,5 +206,18 @@ def test_ab_sign_test_and_summary(capsys: pytest.CaptureFixture[str]) -> None:
     # The ratio is the median of the rounds' own ratios: (0.9 + 0.95) / 2.
     assert "ab step time this tree/abc1234 0.925x (median of 2 paired rounds; lower in 2 of 2" in out
     assert "ab all processes' CPU this tree/abc1234 1.000x" in out and "lower in 1 of 2" in out
-    assert "cpu of trainer" in out
+    assert "cpu of trainer" in out and "50.0 ms" in out
     assert "trainer's event loop" not in out  # not measured on either side: not reported
+    # --to-target: overhead.py's seeds, one round each; a seed short of the target: no figures.
+    got = ab.to_target_figures({"0": [{"jet_s": 20.0, "jet_n": 300}], "1": [{"jet_s": 24.0, "jet_n": 340}]})
+    assert got == {
+        "seed 0 to target": 20.0,
+        "seed 1 to target": 24.0,
+        "time_to_target_s": 44.0,
+        "per_step_s": 44.0 / 640,
+    }
+    assert ab.to_target_figures({"0": [{"jet_s": None, "jet_n": 1500}]}) is None
+    ab.summarise([(got, {**got, "time_to_target_s": 40.0})], "abc1234")
+    out = capsys.readouterr().out
+    assert "44.0 s" in out and "40.0 s" in out
+    assert "ab time to target, all seeds this tree/abc1234 0.909x" in out
