@@ -39,7 +39,7 @@ from jetrl.bus.facts import spoofed
 from jetrl.bus.log import get_logger
 from jetrl.bus.retry import RETRYABLE, retrying
 from jetrl.bus.streams import stream_name
-from jetrl.consumers.recorder.settings import DEFAULT_DURABLE
+from jetrl.consumers.recorder.settings import DEFAULT_DURABLE, DEFAULT_GATHER_S
 from jetrl.consumers.recorder.writer import Target, WriterKind, make_writer
 from jetrl.store.db import Store
 from jetrl.store.projection import Logged, LogItem
@@ -119,7 +119,7 @@ class Recorder:
         log_every_s: float = 5.0,
         stall_s: float = 5.0,
         writer: WriterKind | None = None,
-        gather_s: float = 0.25,
+        gather_s: float = DEFAULT_GATHER_S,
     ) -> None:
         self.bus = bus
         self.store = store
