@@ -82,16 +82,21 @@ class PackedLayout:
     def padding_tokens(self) -> int:
         return self.num_rows * self.width - sum(p.length for p in self.placements)
 
-    def per_rollout(self, values: torch.Tensor, mask: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """Each rollout's completion-token slice of ``values`` ``[B, L-1, ...]`` (the forward's
-        outputs: logprobs, token stats), in the original rollout order: ``C`` rows each, the
-        slice an unpacked batch gives as ``values[i, P-1 : P-1+C]``. With ``mask`` (the batch's
-        ``loss_mask``) only the masked tokens of each slice, as ``lp[i][loss_mask[i]]``."""
+    def _check(self, values: torch.Tensor) -> tuple[int, int]:
+        """``[B, L-1]``, which the forward's outputs ``values`` must begin with."""
         want = (self.num_rows, self.width - 1)
         if tuple(values.shape[:2]) != want:
             raise ValueError(
                 f"values {tuple(values.shape)} do not match the packed layout's [B, L-1] = {want}"
             )
+        return want
+
+    def per_rollout(self, values: torch.Tensor, mask: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Each rollout's completion-token slice of ``values`` ``[B, L-1, ...]`` (the forward's
+        outputs: logprobs, token stats), in the original rollout order: ``C`` rows each, the
+        slice an unpacked batch gives as ``values[i, P-1 : P-1+C]``. With ``mask`` (the batch's
+        ``loss_mask``) only the masked tokens of each slice, as ``lp[i][loss_mask[i]]``."""
+        want = self._check(values)
         if mask is not None and tuple(mask.shape) != want:
             raise ValueError(f"mask {tuple(mask.shape)} does not match the packed layout's [B, L-1] = {want}")
         out = []
@@ -105,11 +110,7 @@ class PackedLayout:
     def completions(self, values: torch.Tensor) -> torch.Tensor:
         """:meth:`per_rollout`'s slices joined, in the same order, by one gather: a step holds
         hundreds of rollouts, and a slice each is a dispatch each."""
-        want = (self.num_rows, self.width - 1)
-        if tuple(values.shape[:2]) != want:
-            raise ValueError(
-                f"values {tuple(values.shape)} do not match the packed layout's [B, L-1] = {want}"
-            )
+        want = self._check(values)
         n = len(self.placements)
         clen = np.fromiter((p.completion_len for p in self.placements), np.int64, n)
         first = np.fromiter((p.row * want[1] + p.completion_pos for p in self.placements), np.int64, n)
