@@ -2,8 +2,8 @@
 
 Runs the demo (configs/demo.toml, recorder off unless ``--recorder``) on its own nats-server,
 and from step ``--from-step`` to the end reads every process's CPU time (user + system, from
-/proc: the parts with their own child processes, such as the recorder's writer, the
-nats-server, the supervisor) and the wall time. Per step it prints the
+/proc: the parts with their child processes, live (the recorder's writer) or ended (a
+sandbox's programs), the nats-server, the supervisor) and the wall time. Per step it prints the
 wall milliseconds, each process's CPU milliseconds and their sum against the cores' capacity
 (wall x cores): what the machine spends a step on, and who spends it. The trainer's own split
 of its step (the StepCompleted metrics ``step_s``; ``trainer_read_s``, reading and checking the
@@ -59,15 +59,18 @@ TICK = os.sysconf("SC_CLK_TCK")
 READ_EVERY_S = 0.5  # how often the processes' CPU is read while the demo runs
 
 
-def cpu_s(pid: int, thread: int | None = None) -> float | None:
+def cpu_s(pid: int, thread: int | None = None, *, reaped: bool = False) -> float | None:
     """User + system CPU seconds of a live process, or of its thread ``thread`` (None once it
-    is gone)."""
+    is gone); ``reaped``: with its children's that have ended and been waited for."""
     stat = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
     try:
         fields = Path(stat).read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    return (int(fields[11]) + int(fields[12])) / TICK
+    used = int(fields[11]) + int(fields[12])
+    if reaped:
+        used += int(fields[13]) + int(fields[14])
+    return used / TICK
 
 
 def descendants(pid: int) -> list[int]:
@@ -101,14 +104,18 @@ TRAINER_LOOP = "trainer's event loop"
 
 
 def cpu_of(name: str, pid: int) -> float | None:
-    """A part's CPU seconds with its live descendants'; the supervisor's alone (the parts are
-    not its children); the trainer's main thread's (:data:`TRAINER_LOOP`); None once it is gone."""
+    """A part's CPU seconds with its descendants': the live ones', and through its own count
+    those it has reaped (a sandbox that ran a program, say: without it their CPU would leave the
+    count as they end); the supervisor's alone (the parts are not its children); the trainer's
+    main thread's (:data:`TRAINER_LOOP`); None once it is gone."""
     if name == TRAINER_LOOP:
         return cpu_s(pid, pid)  # a process's main thread has the process's id
-    own = cpu_s(pid)
-    if own is None or name == "supervisor":
-        return own
-    return own + sum(c for k in descendants(pid) if (c := cpu_s(k)) is not None)
+    if name == "supervisor":
+        return cpu_s(pid)
+    own = cpu_s(pid, reaped=True)
+    if own is None:
+        return None
+    return own + sum(c for k in descendants(pid) if (c := cpu_s(k, reaped=True)) is not None)
 
 
 async def run(sup: Supervisor, from_step: int) -> tuple[dict[str, float], float, int, int]:

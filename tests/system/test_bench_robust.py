@@ -6,6 +6,8 @@ Each bench's figure and summary functions are called on what a slow or loaded ma
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from types import ModuleType
 
 import pytest
@@ -221,3 +223,32 @@ def test_ab_sign_test_and_summary(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "44.0 s" in out and "40.0 s" in out
     assert "ab time to target, all seeds this tree/abc1234 0.909x" in out
+
+
+def test_step_time_keeps_the_cpu_of_a_part_s_children_that_ended() -> None:
+    """A part's child (a sandbox's program, the recorder's writer) that burns CPU and ends: its
+    CPU stays in the part's count once it is reaped, as it was while it ran."""
+    step_time = load_bench("step_time")
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+    # The part: starts a child that burns 0.3 s of CPU, reaps it, then waits to be read.
+    part = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import subprocess, sys, time\nsubprocess.run([sys.executable, '-c', {burn!r}])\n"
+            "print('reaped', flush=True)\ntime.sleep(30)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert part.stdout is not None and part.stdout.readline().strip() == "reaped"
+        assert step_time.descendants(part.pid) == []  # the child is gone
+        own = step_time.cpu_s(part.pid)
+        counted = step_time.cpu_of("env-default-modsum-0", part.pid)
+        assert own is not None and counted is not None
+        assert counted - own >= 0.25  # the child's 0.3 s, at the clock's tick
+        assert step_time.cpu_of("supervisor", part.pid) == own  # the supervisor's: its own only
+    finally:
+        part.kill()
+        part.wait()
