@@ -252,3 +252,21 @@ def test_step_time_keeps_the_cpu_of_a_part_s_children_that_ended() -> None:
     finally:
         part.kill()
         part.wait()
+
+
+def test_gil_summary_is_each_setting_against_the_call_alone_in_its_round() -> None:
+    gil = load_bench("gil")
+    assert gil.summary_lines([], 2) == ["train call: too few rounds to measure (none completed)"]
+    rounds = [
+        {"alone": 40.0, "busy thread": 64.0, "busy thread, switch 0.2 ms": 52.0, "busy process": 40.0},
+        {"alone": 50.0, "busy thread": 90.0, "busy process": 45.0},  # a slower round, one setting short
+    ]
+    lines = gil.summary_lines(rounds, 2)
+    assert lines[0] == "train call alone 45.0 ms (median of 2 rounds)"
+    # Ratios within a round, then their median: (1.6 + 1.8) / 2, not 77 / 45.
+    assert lines[1].startswith("train call beside a busy thread/alone 1.70x (median of 2 rounds;")
+    assert lines[2].startswith(
+        "train call beside a busy thread, switch 0.2 ms/alone 1.30x (median of 1 rounds;"
+    )
+    assert lines[3].startswith("train call beside a busy process/alone 0.95x (median of 2 rounds;")
+    assert "this machine has one" in gil.summary_lines(rounds, 1)[3]
