@@ -109,30 +109,27 @@ def median_call_ms(call: Callable[[], object], calls: int) -> float:
 
 def measure(call: Callable[[], object], setting: str, args: argparse.Namespace) -> float:
     """The median train call in ``setting``."""
-    busy_s, period_s = args.busy_ms / 1000, args.period_ms / 1000
     if setting == "alone":
         return median_call_ms(call, args.calls)
+    stop: Any
+    runner: Any  # a process or a thread, started and joined alike
+    work = (args.busy_ms / 1000, args.period_ms / 1000)
     if setting == "busy process":
         ctx = mp.get_context("fork")
-        pstop = ctx.Event()
-        proc = ctx.Process(target=busy, args=(pstop, busy_s, period_s), daemon=True)
-        proc.start()
-        try:
-            return median_call_ms(call, args.calls)
-        finally:
-            pstop.set()
-            proc.join()
-    stop = threading.Event()
+        stop = ctx.Event()
+        runner = ctx.Process(target=busy, args=(stop, *work), daemon=True)
+    else:
+        stop = threading.Event()
+        runner = threading.Thread(target=busy, args=(stop, *work), daemon=True)
     old = sys.getswitchinterval()
     if setting.endswith("0.2 ms"):
         sys.setswitchinterval(0.0002)
-    th = threading.Thread(target=busy, args=(stop, busy_s, period_s), daemon=True)
-    th.start()
+    runner.start()
     try:
         return median_call_ms(call, args.calls)
     finally:
         stop.set()
-        th.join()
+        runner.join()
         sys.setswitchinterval(old)
 
 
