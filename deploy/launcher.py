@@ -32,8 +32,10 @@ from typing import Protocol
 import setproctitle
 
 # What the fork server imports before it forks anything: every part's entry point and the
-# model code behind the embedded engines (the costly imports).
+# model code behind the embedded engines (the costly imports), after the module that takes the
+# fork server out of the process group a signal to the supervisor's job reaches.
 PRELOAD = (
+    "jetrl.deploy.fork_server_group",  # first: out of the supervisor's process group
     "jetrl.policy.models",
     "jetrl.consumers.inference.worker",
     "jetrl.consumers.inference.titan_engine",
@@ -43,6 +45,9 @@ PRELOAD = (
     "jetrl.consumers.monitor.service",
     "jetrl.producers.producer",
 )
+
+# Set to this process's pid before the fork server starts: how it knows itself.
+FORK_SERVER_STARTER = "JETRL_FORK_SERVER_STARTER"
 
 _lock = threading.Lock()
 _context: multiprocessing.context.ForkServerContext | None = None
@@ -72,6 +77,9 @@ def fork_server() -> multiprocessing.context.ForkServerContext:
     global _context
     with _lock:
         if _context is None:
+            # The fork server, this process's child, leaves this process's group at its start
+            # (deploy/fork_server_group.py): it knows itself by this.
+            os.environ[FORK_SERVER_STARTER] = str(os.getpid())
             ctx = multiprocessing.get_context("forkserver")
             ctx.set_forkserver_preload(list(PRELOAD))
             _context = ctx

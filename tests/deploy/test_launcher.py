@@ -3,6 +3,7 @@ its own pid and session, its log, its environment and thread count, its exit cod
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -97,3 +98,55 @@ def test_parts_started_together_each_finish_either_way(tmp_path: Path) -> None:
         ]
         deadline = time.monotonic() + 120
         assert [wait_for(p, max(1.0, deadline - time.monotonic())) for p in procs] == [0, 0, 0]
+
+
+# A supervisor in miniature, in a session of its own: it starts a forked part, then waits for
+# SIGTERM and reports how its part looks from there. Its fork server preloads only the module
+# under test (the parts' heavy imports are not what this is about).
+SUPERVISOR = """
+import os, signal, sys, threading, time
+from pathlib import Path
+from jetrl.deploy import launcher
+launcher.PRELOAD = launcher.PRELOAD[:1]
+part = launcher.start_part(
+    [sys.executable, "-m", "tests.support.forked_child", "sleep", "60"], dict(os.environ), Path(sys.argv[1])
+)
+got = threading.Event()
+signal.signal(signal.SIGTERM, lambda *_: got.set())
+while os.getsid(part.pid) != part.pid:  # the part is in a session of its own
+    time.sleep(0.01)
+print("ready", part.pid, flush=True)
+got.wait(60)
+print("after", part.poll(), flush=True)
+part.kill()
+print("ended", part.wait(30), flush=True)
+"""
+
+
+def test_a_signal_to_the_supervisor_s_process_group_leaves_its_parts_in_its_hands(tmp_path: Path) -> None:
+    """`timeout`, `kill -TERM -PGID`: the signal reaches the supervisor, not the fork server
+    (deploy/fork_server_group.py), so the supervisor still sees its part running and stops it."""
+    from jetrl.deploy.launcher import PRELOAD
+
+    assert PRELOAD[0] == "jetrl.deploy.fork_server_group"  # before the imports that take seconds
+    sup = subprocess.Popen(
+        [sys.executable, "-c", SUPERVISOR, str(tmp_path / "part.log")],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a job's
+    )
+    part = None
+    try:
+        assert sup.stdout is not None
+        ready = sup.stdout.readline().split()
+        assert ready[0] == "ready"
+        part = int(ready[1])
+        os.killpg(sup.pid, signal.SIGTERM)
+        out = [*sup.stdout.readline().split(), *sup.stdout.readline().split()]
+    finally:
+        for group in (sup.pid, part):  # the part too: it outlives a supervisor that lost it
+            if group is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(group, signal.SIGKILL)
+        sup.wait()
+    assert out == ["after", "None", "ended", str(-signal.SIGKILL)], out  # alive until it was stopped
