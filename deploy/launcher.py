@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Protocol
@@ -95,34 +96,63 @@ def warm_up() -> None:
     threading.Thread(target=forkserver.ensure_running, name="forkserver-warm-up", daemon=True).start()
 
 
+def _start_time(pid: int) -> str | None:
+    """When process ``pid`` started (``/proc/<pid>/stat``'s field 22): with the pid, which
+    process it is; None once it has ended (a zombie has)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else fields[19]
+
+
 class ForkedPart:
-    """A part forked from the fork server, seen through :class:`PartProcess`."""
+    """A part forked from the fork server, seen through :class:`PartProcess`.
+
+    Its exit code comes from the fork server, which reaps it. Should the fork server end first
+    (killed alone: out of memory, say), multiprocessing reports every part it forked as ended
+    with 255; a part whose pid still runs the same process is taken as running, watched and
+    signalled by its pid, and reports 255 when it ends (its own code is lost with the server).
+    Without this the supervisor would restart parts that still run, a second trainer beside
+    the first."""
 
     def __init__(self, proc: multiprocessing.process.BaseProcess, args: list[str]) -> None:
         self._proc = proc
         self.args = args
+        self._born = _start_time(self.pid)
 
     @property
     def pid(self) -> int:
         assert self._proc.pid is not None  # started
         return self._proc.pid
 
+    def _orphaned(self) -> bool:
+        """The fork server is gone and the part still runs."""
+        if self._proc.exitcode is None or self._born is None:
+            return False
+        return _start_time(self.pid) == self._born
+
     @property
     def returncode(self) -> int | None:
-        return self._proc.exitcode
+        return None if self._orphaned() else self._proc.exitcode
 
     def poll(self) -> int | None:
-        return self._proc.exitcode
+        return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
         self._proc.join(timeout)
-        code = self._proc.exitcode
+        while self._orphaned():
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        code = self.returncode
         if code is None:
             raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
         return code
 
     def send_signal(self, sig: int) -> None:
-        if self._proc.exitcode is None:
+        if self.returncode is None:
             os.kill(self.pid, sig)
 
     def kill(self) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from jetrl.deploy.launcher import ForkedPart, start_part
+from jetrl.deploy.launcher import ForkedPart, _start_time, start_part
 
 CHILD = [sys.executable, "-m", "tests.support.forked_child"]
 
@@ -150,3 +150,52 @@ def test_a_signal_to_the_supervisor_s_process_group_leaves_its_parts_in_its_hand
                     os.killpg(group, signal.SIGKILL)
         sup.wait()
     assert out == ["after", "None", "ended", str(-signal.SIGKILL)], out  # alive until it was stopped
+
+
+# The fork server killed alone (out of memory, say) while the part it forked runs on.
+SERVER_KILLED = """
+import os, signal, subprocess, sys, time
+from multiprocessing import forkserver
+from pathlib import Path
+from jetrl.deploy import launcher
+launcher.PRELOAD = launcher.PRELOAD[:1]
+part = launcher.start_part(
+    [sys.executable, "-m", "tests.support.forked_child", "sleep", "60"], dict(os.environ), Path(sys.argv[1])
+)
+print("part", part.pid, flush=True)
+os.kill(forkserver._forkserver._forkserver_pid, signal.SIGKILL)
+while part._proc.exitcode is None:  # multiprocessing's view: the part ended (255)
+    time.sleep(0.01)
+print("seen", part._proc.exitcode, part.poll(), flush=True)
+try:
+    part.wait(0.2)
+    print("waited", flush=True)
+except subprocess.TimeoutExpired:
+    print("running", flush=True)
+part.send_signal(signal.SIGTERM)
+print("ended", part.wait(30), part.poll(), flush=True)
+"""
+
+
+def test_a_part_whose_fork_server_is_killed_is_still_seen_running_and_stopped(tmp_path: Path) -> None:
+    """Not restarted while it runs (a second trainer beside the first): it is running until its
+    pid ends, signalled by its pid; its exit code is lost with the server (255)."""
+    run = subprocess.Popen(
+        [sys.executable, "-c", SERVER_KILLED, str(tmp_path / "part.log")],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    part = None
+    try:
+        assert run.stdout is not None
+        part = int(run.stdout.readline().split()[1])
+        out = [run.stdout.readline().split() for _ in range(3)]
+    finally:
+        for group in (run.pid, part):
+            if group is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(group, signal.SIGKILL)
+        run.wait()
+    assert out == [["seen", "255", "None"], ["running"], ["ended", "255", "255"]], out
+    assert _start_time(part) is None  # the SIGTERM by pid ended it (gone, or a zombie of init's)
