@@ -96,7 +96,7 @@ def warm_up() -> None:
     threading.Thread(target=forkserver.ensure_running, name="forkserver-warm-up", daemon=True).start()
 
 
-def _start_time(pid: int) -> str | None:
+def process_start_time(pid: int) -> str | None:
     """When process ``pid`` started (``/proc/<pid>/stat``'s field 22): with the pid, which
     process it is; None once it has ended (a zombie has)."""
     try:
@@ -119,7 +119,7 @@ class ForkedPart:
     def __init__(self, proc: multiprocessing.process.BaseProcess, args: list[str]) -> None:
         self._proc = proc
         self.args = args
-        self._born = _start_time(self.pid)
+        self._born = process_start_time(self.pid)
 
     @property
     def pid(self) -> int:
@@ -130,7 +130,7 @@ class ForkedPart:
         """The fork server is gone and the part still runs."""
         if self._proc.exitcode is None or self._born is None:
             return False
-        return _start_time(self.pid) == self._born
+        return process_start_time(self.pid) == self._born
 
     @property
     def returncode(self) -> int | None:

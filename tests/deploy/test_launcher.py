@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from jetrl.deploy.launcher import ForkedPart, _start_time, start_part
+from jetrl.deploy.launcher import ForkedPart, process_start_time, start_part
 
 CHILD = [sys.executable, "-m", "tests.support.forked_child"]
 
@@ -198,4 +198,4 @@ def test_a_part_whose_fork_server_is_killed_is_still_seen_running_and_stopped(tm
                     os.killpg(group, signal.SIGKILL)
         run.wait()
     assert out == [["seen", "255", "None"], ["running"], ["ended", "255", "255"]], out
-    assert _start_time(part) is None  # the SIGTERM by pid ended it (gone, or a zombie of init's)
+    assert process_start_time(part) is None  # the SIGTERM by pid ended it (gone, or a zombie of init's)
