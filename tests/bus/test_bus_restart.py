@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 from jetrl.bus import events as ev
 from jetrl.bus import subjects
@@ -75,3 +81,50 @@ async def test_publisher_and_consumer_recover_from_server_restart(tmp_path) -> N
         await sub_bus.close()
     finally:
         srv.stop()
+
+
+STARTER = """
+import sys, threading, time
+from jetrl.bus.server import EmbeddedServer
+def start():
+    srv = EmbeddedServer(sys.argv[1]).start()
+    print(srv.proc.pid, flush=True)
+if sys.argv[2] == "main":
+    start()
+else:
+    t = threading.Thread(target=start)
+    t.start()
+    t.join()
+time.sleep(120)
+"""
+
+
+def test_a_server_ends_with_the_process_that_started_it_killed_outright(tmp_path) -> None:
+    """A supervisor killed with SIGKILL: its nats-server stops too (SIGTERM: its files closed
+    in order), rather than keep the run's JetStream files open under the server a resumed run
+    starts on them. A server started from another thread than the main one is not tied."""
+    for where, tied in (("main", True), ("thread", False)):
+        starter = subprocess.Popen(
+            [sys.executable, "-c", STARTER, str(tmp_path / where), where], stdout=subprocess.PIPE, text=True
+        )
+        assert starter.stdout is not None
+        server = int(starter.stdout.readline())
+        starter.kill()
+        starter.wait()
+        deadline = time.monotonic() + (15 if tied else 2)  # untied: still there 2 s on
+        while time.monotonic() < deadline and _running(server):
+            time.sleep(0.1)
+        try:
+            assert _running(server) is not tied, where
+        finally:
+            if _running(server):
+                os.kill(server, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie has ended)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
