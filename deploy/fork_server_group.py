@@ -7,7 +7,7 @@ it any more (each runs in a session of its own), but the supervisor sees its par
 with the fork server gone every part looks ended (exit code 255) while it still runs, so the
 supervisor would stop none of them in order, stop the nats-server under the monitor and the
 recorder, and leave them to notice on their own. Out of the group, the signal reaches the
-supervisor, which stops its parts as on Ctrl-C; the fork server still ends with its starter
+supervisor, which stops its parts as on Ctrl-C; the fork server still ends after its starter
 (multiprocessing's own pipe).
 
 Only the fork server acts on this import: a process started as ``python -c`` whose
