@@ -37,17 +37,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from overhead import ROOT, loop_parts, sample_batch
 
-from jetrl.consumers.trainer.engine import make_train_engine
-from jetrl.consumers.trainer.local_engine import LocalTrainEngine
 from jetrl.deploy.config import load_config
-from jetrl.policy.loss import group_advantages
-from jetrl.policy.sampling import SamplingConfig, generate, inference_copy
-from jetrl.policy.tokenizer import tokenizer_for
-from jetrl.policy.train import Rollout
-from jetrl.producers.environments import make_environment
 
-ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = ("alone", "busy thread", "busy thread, switch 0.2 ms", "busy process")
 
 
@@ -63,39 +56,13 @@ def busy(stop: Any, busy_s: float, period_s: float) -> None:
 
 
 def demo_batch(root: Path) -> tuple[Callable[[], object], int]:
-    """The demo trainer's train call on one batch of its rollouts, and the batch's size."""
+    """The demo trainer's train call on one batch of its rollouts (sampled as bench/overhead.py's
+    loop samples a step), and the batch's size."""
     cfg = load_config(ROOT / "configs" / "demo.toml", ["--store.recorder", "false"])
-    part = cfg.trainer_part(root)
-    part = part.model_copy(update={"trainer": part.trainer.model_copy(update={"threads": 1})})
-    engine = make_train_engine(part)
-    assert isinstance(engine, LocalTrainEngine)  # its model is sampled from here
-    model = engine.model
-    (producer,) = cfg.producer_parts()
-    env_cfg = producer.env
-    tok = tokenizer_for(cfg.model)
-    env = make_environment(env_cfg.env_kind, tok, **env_cfg.params)
+    loop = loop_parts(cfg, root, threads=1)
     rng = random.Random(cfg.run.seed)
-    tasks = [env.make_task(rng) for _ in range(cfg.trainer.batch_groups)]
-    size = env_cfg.group_size
-    sampling = SamplingConfig(
-        max_tokens=max(t.max_tokens for t in tasks),
-        temperature=env_cfg.temperature,
-        top_p=cfg.inference.top_p,
-        stop_token_ids=tok.stop_ids,
-    )
-    prompts = [t.prompt_tokens for t in tasks for _ in range(size)]
-    sampler = inference_copy(model, cfg.inference.precision)
-    gens = generate(sampler, prompts, sampling, generator=torch.Generator().manual_seed(cfg.run.seed))
-    rewards = torch.tensor(
-        [env.score(tasks[i // size].info, g.completion_ids).reward for i, g in enumerate(gens)],
-        dtype=torch.float32,
-    )
-    adv = group_advantages(rewards, torch.arange(len(gens)) // size, std_scale=True)
-    batch = [
-        Rollout(g.prompt_ids, g.completion_ids, g.logprobs, float(adv[i]), routing=g.routing)
-        for i, g in enumerate(gens)
-    ]
-    return (lambda: engine.step(batch)), len(batch)
+    batch, _, _ = sample_batch(cfg, loop, rng, torch.Generator().manual_seed(cfg.run.seed))
+    return (lambda: loop.engine.step(batch)), len(batch)
 
 
 def median_call_ms(call: Callable[[], object], calls: int) -> float:

@@ -49,16 +49,72 @@ from jetrl.deploy.launcher import fork_server
 from jetrl.deploy.supervisor import Supervisor
 from jetrl.policy.loss import group_advantages
 from jetrl.policy.sampling import SamplingConfig, generate, inference_copy
-from jetrl.policy.tokenizer import tokenizer_for
+from jetrl.policy.tokenizer import Tokenizer, tokenizer_for
 from jetrl.policy.train import Rollout
 from jetrl.policy.weights import load_into
-from jetrl.producers.environments import make_environment
+from jetrl.producers.environments import Environment, make_environment
+from jetrl.producers.settings import ProducerPart
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 # The one-process loop's torch threads: both cores of the 2-core machines it is measured on.
 LOOP_THREADS = min(2, os.cpu_count() or 1)
+
+
+class Loop(NamedTuple):
+    """What the one-process loop runs: the demo trainer's engine (its model is sampled from),
+    the sampler's copy of the model, the producer's settings, its environment and tokenizer."""
+
+    engine: LocalTrainEngine
+    sampler: torch.nn.Module
+    producer: ProducerPart
+    env: Environment
+    tok: Tokenizer
+
+
+def loop_parts(cfg: RunConfig, root: Path, threads: int) -> Loop:
+    part = cfg.trainer_part(root)
+    part = part.model_copy(update={"trainer": part.trainer.model_copy(update={"threads": threads})})
+    engine = make_train_engine(part)
+    assert isinstance(engine, LocalTrainEngine)  # its model is sampled from here
+    (producer,) = cfg.producer_parts()
+    tok = tokenizer_for(cfg.model)
+    env = make_environment(producer.env.env_kind, tok, **producer.env.params)
+    return Loop(engine, inference_copy(engine.model, cfg.inference.precision), producer, env, tok)
+
+
+def sample_batch(
+    cfg: RunConfig, loop: Loop, rng: random.Random, generator: torch.Generator
+) -> tuple[list[Rollout], torch.Tensor, float]:
+    """One step's rollouts: ``batch_groups`` tasks, ``group_size`` samples each, scored, their
+    advantages relative to their group; their rewards; the sampling's CPU seconds (this thread)."""
+    env_cfg = loop.producer.env
+    tasks = [loop.env.make_task(rng) for _ in range(cfg.trainer.batch_groups)]
+    prompts = [t.prompt_tokens for t in tasks for _ in range(env_cfg.group_size)]
+    sampling = SamplingConfig(
+        max_tokens=max(t.max_tokens for t in tasks),
+        temperature=env_cfg.temperature,
+        top_p=cfg.inference.top_p,
+        stop_token_ids=loop.tok.stop_ids,
+    )
+    c0 = time.thread_time()
+    gens = generate(loop.sampler, prompts, sampling, generator=generator)
+    sample_cpu = time.thread_time() - c0
+    rewards = torch.tensor(
+        [
+            loop.env.score(tasks[i // env_cfg.group_size].info, g.completion_ids).reward
+            for i, g in enumerate(gens)
+        ],
+        dtype=torch.float32,
+    )
+    groups = torch.arange(len(gens)) // env_cfg.group_size
+    adv = group_advantages(rewards, groups, std_scale=cfg.trainer.std_scale_advantages)
+    batch = [
+        Rollout(g.prompt_ids, g.completion_ids, g.logprobs, float(adv[i]), routing=g.routing)
+        for i, g in enumerate(gens)
+    ]
+    return batch, rewards, sample_cpu
 
 
 def one_process(
@@ -80,17 +136,9 @@ def one_process(
     ``phase_cpu``: this thread's CPU seconds in sampling and in the train call, added up under
     "sample" and "train" (all of a phase's CPU on one torch thread: bench/step_time.py)."""
     t0 = time.perf_counter()
-    part = cfg.trainer_part(root)
-    part = part.model_copy(update={"trainer": part.trainer.model_copy(update={"threads": threads})})
-    engine = make_train_engine(part)
-    assert isinstance(engine, LocalTrainEngine)  # its model is sampled from here
-    model = engine.model
-    sampler = inference_copy(model, cfg.inference.precision)
-    (producer,) = cfg.producer_parts()
-    env_cfg = producer.env
-    tok = tokenizer_for(cfg.model)
-    env = make_environment(env_cfg.env_kind, tok, **env_cfg.params)
-    rng = random.Random(producer.seed * 7919 if sample_seed is None else sample_seed * 7919 + 1)
+    loop = loop_parts(cfg, root, threads)
+    model = loop.engine.model
+    rng = random.Random(loop.producer.seed * 7919 if sample_seed is None else sample_seed * 7919 + 1)
     generator = torch.Generator().manual_seed(cfg.run.seed if sample_seed is None else sample_seed)
     window: deque[float] = deque(maxlen=cfg.trainer.reward_window)
     target = cfg.trainer.stop_at_reward
@@ -99,40 +147,17 @@ def one_process(
     for step in range(cfg.trainer.max_steps):
         if lag:
             versions.append(copy.deepcopy(model.state_dict()))
-            load_into(sampler, versions[0])
-        tasks = [env.make_task(rng) for _ in range(cfg.trainer.batch_groups)]
-        prompts = [t.prompt_tokens for t in tasks for _ in range(env_cfg.group_size)]
-        sampling = SamplingConfig(
-            max_tokens=max(t.max_tokens for t in tasks),
-            temperature=env_cfg.temperature,
-            top_p=cfg.inference.top_p,
-            stop_token_ids=tok.stop_ids,
-        )
+            load_into(loop.sampler, versions[0])
+        batch, rewards, sample_cpu = sample_batch(cfg, loop, rng, generator)
         c0 = time.thread_time()
-        gens = generate(sampler, prompts, sampling, generator=generator)
-        c1 = time.thread_time()
-        rewards = torch.tensor(
-            [
-                env.score(tasks[i // env_cfg.group_size].info, g.completion_ids).reward
-                for i, g in enumerate(gens)
-            ],
-            dtype=torch.float32,
-        )
-        groups = torch.arange(len(gens)) // env_cfg.group_size
-        adv = group_advantages(rewards, groups, std_scale=cfg.trainer.std_scale_advantages)
-        batch = [
-            Rollout(g.prompt_ids, g.completion_ids, g.logprobs, float(adv[i]), routing=g.routing)
-            for i, g in enumerate(gens)
-        ]
-        c2 = time.thread_time()
-        metrics = engine.step(batch)
+        metrics = loop.engine.step(batch)
         if phase_cpu is not None:
-            phase_cpu["sample"] = phase_cpu.get("sample", 0.0) + c1 - c0
-            phase_cpu["train"] = phase_cpu.get("train", 0.0) + time.thread_time() - c2
+            phase_cpu["sample"] = phase_cpu.get("sample", 0.0) + sample_cpu
+            phase_cpu["train"] = phase_cpu.get("train", 0.0) + time.thread_time() - c0
         if on_step is not None:
-            on_step(rewards.view(-1, env_cfg.group_size), metrics)
+            on_step(rewards.view(-1, loop.producer.env.group_size), metrics)
         if not lag:
-            load_into(sampler, model.state_dict())
+            load_into(loop.sampler, model.state_dict())
         window.append(float(rewards.mean()))
         if curve is not None:
             curve.append(window[-1])
