@@ -8,13 +8,13 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from jetrl.bus import events as ev
 from jetrl.bus import subjects
 from jetrl.bus.client import Bus
 from jetrl.bus.consumer import ConsumerSpec
 from jetrl.bus.server import EmbeddedServer
+from jetrl.deploy.launcher import process_start_time
 from tests.conftest import TEST_LIMITS
 
 N_EVENTS = 3000
@@ -86,6 +86,7 @@ async def test_publisher_and_consumer_recover_from_server_restart(tmp_path) -> N
 STARTER = """
 import sys, threading, time
 from jetrl.bus.server import EmbeddedServer
+from jetrl.deploy.launcher import process_start_time
 def start():
     srv = EmbeddedServer(sys.argv[1]).start()
     print(srv.proc.pid, flush=True)
@@ -122,9 +123,4 @@ def test_a_server_ends_with_the_process_that_started_it_killed_outright(tmp_path
 
 
 def _running(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie has ended)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+    return process_start_time(pid) is not None  # a zombie has ended

@@ -144,11 +144,7 @@ def test_a_signal_to_the_supervisor_s_process_group_leaves_its_parts_in_its_hand
         os.killpg(sup.pid, signal.SIGTERM)
         out = [*sup.stdout.readline().split(), *sup.stdout.readline().split()]
     finally:
-        for group in (sup.pid, part):  # the part too: it outlives a supervisor that lost it
-            if group is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(group, signal.SIGKILL)
-        sup.wait()
+        _end(sup, part)
     assert out == ["after", "None", "ended", str(-signal.SIGKILL)], out  # alive until it was stopped
 
 
@@ -192,10 +188,16 @@ def test_a_part_whose_fork_server_is_killed_is_still_seen_running_and_stopped(tm
         part = int(run.stdout.readline().split()[1])
         out = [run.stdout.readline().split() for _ in range(3)]
     finally:
-        for group in (run.pid, part):
-            if group is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(group, signal.SIGKILL)
-        run.wait()
+        _end(run, part)
     assert out == [["seen", "255", "None"], ["running"], ["ended", "255", "255"]], out
     assert process_start_time(part) is None  # the SIGTERM by pid ended it (gone, or a zombie of init's)
+
+
+def _end(script: subprocess.Popen[str], part: int | None) -> None:
+    """The script's session and its part's, whatever the test found: the part outlives a
+    script that lost track of it."""
+    for group in (script.pid, part):
+        if group is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
+    script.wait()
