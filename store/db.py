@@ -16,6 +16,7 @@ recorder; PostgreSQL is reached by URL through psycopg 3 (``postgresql+psycopg:/
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+import msgspec
 import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
@@ -105,8 +107,27 @@ def _postgres_read_only(dbapi_conn: Any, _record: Any) -> None:
     dbapi_conn.commit()
 
 
+_JSON = msgspec.json.Encoder()
+
+
+def json_text(value: Any) -> str:
+    """A JSON column's text: msgspec's encoding, which takes a tenth of ``json.dumps``' time (a
+    rollout's row has two such columns, a step 256 rollouts: ``json.dumps`` was a sixth of the
+    recorder's writer). Where msgspec's text could mean something else, ``json.dumps``' as
+    before: msgspec writes a NaN or an infinity as ``null``, so any text with a null in it is
+    made again (the projectors keep their own floats finite: a null there is a real None), and
+    what msgspec refuses (a key that is no string or number, an int past 64 bits) is left to
+    ``json.dumps`` to encode or refuse."""
+    try:
+        raw = _JSON.encode(value)
+    except (TypeError, ValueError, OverflowError, msgspec.EncodeError):
+        return json.dumps(value)
+    return json.dumps(value) if b"null" in raw else raw.decode()
+
+
 def make_engine(url: str, **kwargs: Any) -> sa.Engine:
     """An engine for reading and writing; a SQLite file's folder is created if missing."""
+    kwargs.setdefault("json_serializer", json_text)
     u = _normalise_url(url)
     if u.get_backend_name() == "sqlite":
         if u.database and u.database != ":memory:":

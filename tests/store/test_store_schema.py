@@ -79,3 +79,44 @@ def test_generations_are_keyed_by_sample_from_0004_on(db_url: str) -> None:
         assert key_and_indexes(engine)[0] == ["run_id", "generation_id"]
     finally:
         engine.dispose()
+
+
+def test_json_columns_read_back_what_was_written(db_url: str) -> None:
+    """A JSON column's value goes in as msgspec's text (``json_text``) and reads back as it was;
+    where msgspec would write a non-finite float as null (a real null in the same value), the
+    text is ``json.dumps``', whose NaN reads back as NaN on SQLite (PostgreSQL's jsonb refuses it:
+    the projectors keep their floats finite)."""
+    import math
+
+    from jetrl.store.db import json_text, make_engine
+
+    assert json_text({"a": 1.5, "b": [1, 2], "é": "ü"}) == '{"a":1.5,"b":[1,2],"é":"ü"}'
+    assert json_text({"x": float("nan"), "y": None}) == '{"x": NaN, "y": null}'
+    assert json_text({1: 2**70}) == '{"1":1180591620717411303424}'
+    nan_ok = not db_url.startswith("postgresql")
+    values = [
+        {"payloads": {"logprobs": {"kind": "log", "seq": 7, "shape": [3]}}, "flag": True},
+        {"n": None, "x": 0.1},
+        {"big": 2**63 + 1, "neg": -1e-300, "text": "ü\u2028", "key": {"1": True}},
+        *([{"nan": float("nan"), "inf": float("-inf")}] if nan_ok else []),
+    ]
+    engine = make_engine(db_url)
+    t = sa.Table("json_probe", sa.MetaData(), sa.Column("i", sa.Integer, primary_key=True), sa.Column("v", sc.Json))
+    try:
+        with engine.begin() as conn:
+            t.create(conn)
+            conn.execute(t.insert(), [{"i": i, "v": v} for i, v in enumerate(values)])
+        with engine.connect() as conn:
+            back = [r.v for r in conn.execute(sa.select(t).order_by(t.c.i))]
+            if engine.dialect.name == "sqlite":
+                raw = conn.exec_driver_sql("SELECT v FROM json_probe WHERE i = 0").scalar()
+                assert raw == '{"payloads":{"logprobs":{"kind":"log","seq":7,"shape":[3]}},"flag":true}'
+        for got, want in zip(back, values, strict=True):
+            assert got.keys() == want.keys()
+            for k, w in want.items():
+                g = got[k]
+                assert (isinstance(w, float) and math.isnan(w) and math.isnan(g)) or g == w, (k, g, w)
+    finally:
+        with engine.begin() as conn:
+            t.drop(conn, checkfirst=True)
+        engine.dispose()
