@@ -212,6 +212,10 @@ class TableWriter:
             if tuple(compiled.positiontup or ()) != self.columns:
                 raise AssertionError(f"{t.name}: upsert parameters are not the table's columns in order")
             self.upsert = str(compiled)
+            converters = dict((self.columns[i], conv) for i, conv in self._converters)
+            self.updates: dict[str, _GroupUpdate] = {
+                g.seq_col: _GroupUpdate(spec, g, dialect, converters) for g in spec.groups if g.follows
+            }
         else:
             raise NotImplementedError(f"the store supports sqlite and postgresql, not {dialect.name}")
 
@@ -231,12 +235,57 @@ class TableWriter:
         except KeyError as exc:  # a projector left a column of a whole-row fact out
             raise KeyError(f"{self.spec.table.name}: a row has no value for column {exc}") from None
 
+    def update_rows(self, cur: Any, rows: Sequence[dict[str, Any]]) -> Sequence[dict[str, Any]]:
+        """SQLite: write the rows that carry one ``follows`` group alone as UPDATEs of their
+        rows; returns the rest, and those whose UPDATE found no row to change (none yet, or
+        the group there already), for the upsert. The row as the upsert would leave it: the
+        group's columns and the derived ones, where the group applies."""
+        if not self.updates:
+            return rows
+        rest: list[dict[str, Any]] = []
+        groups = self.spec.groups
+        for row in rows:
+            present = [g.seq_col for g in groups if row[g.seq_col] is not None]
+            update = self.updates.get(present[0]) if len(present) == 1 else None
+            if update is None:
+                rest.append(row)
+                continue
+            cur.execute(update.sql, update.params(row))
+            if cur.rowcount != 1:
+                rest.append(row)
+        return rest
+
     def stage(self, cur: Any, rows: Sequence[dict[str, Any]]) -> None:
         """PostgreSQL: COPY ``rows`` into the (existing) staging table."""
         with cur.copy(self.copy) as copy:
             copy.set_types(self.copy_types)
             for p in self.params(rows):
                 copy.write_row(p)
+
+
+class _GroupUpdate:
+    """One ``follows`` group's UPDATE on SQLite: its columns and the derived ones set where the
+    key matches and the group applies (first: not there yet; last: newer), compiled once."""
+
+    def __init__(self, spec: Spec, g: Group, dialect: sa.Dialect, converters: dict[str, Converter]) -> None:
+        t = spec.table
+        written = (*g.cols, g.seq_col)
+        binds = {c: sa.bindparam(f"new_{c}", type_=t.c[c].type) for c in written}
+        after: dict[str, sa.ColumnElement[Any]] = {c.name: binds.get(c.name, c) for c in t.columns}
+        values: dict[str, sa.ColumnElement[Any]] = dict(binds)
+        for d in spec.derived:
+            values[d.column] = d.expr.sql(after)
+        old = t.c[g.seq_col]
+        applies = old.is_(None) if g.mode == "first" else sa.or_(old.is_(None), binds[g.seq_col] > old)
+        keys = [t.c[k] == sa.bindparam(f"key_{k}", type_=t.c[k].type) for k in spec.key]
+        compiled = sa.update(t).where(*keys, applies).values(values).compile(dialect=dialect)
+        self.sql = str(compiled)
+        # Each positional parameter's column and its bind processor (as the upsert converts it).
+        self._cols = [name.split("_", 1)[1] for name in compiled.positiontup or ()]
+        self._convert = [converters.get(c) for c in self._cols]
+
+    def params(self, row: dict[str, Any]) -> list[Any]:
+        return [row[c] if conv is None else conv(row[c]) for c, conv in zip(self._cols, self._convert, strict=True)]
 
 
 def write_tables(conn: sa.Connection, writes: Sequence[tuple[TableWriter, Sequence[dict[str, Any]]]]) -> None:
@@ -253,7 +302,9 @@ def write_tables(conn: sa.Connection, writes: Sequence[tuple[TableWriter, Sequen
     try:
         if conn.dialect.name == "sqlite":
             for w, rows in writes:
-                cur.executemany(w.upsert, w.params(rows))
+                rows = w.update_rows(cur, rows)
+                if rows:
+                    cur.executemany(w.upsert, w.params(rows))
             return
         # Statements without parameters: psycopg sends them as one simple query.
         cur.execute("; ".join(w.create_staging for w, _ in writes))

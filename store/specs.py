@@ -35,11 +35,15 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Group:
-    """Columns written together by one kind of event, guarded by ``seq_col``."""
+    """Columns written together by one kind of event, guarded by ``seq_col``. ``follows``: the
+    event comes after the one that makes the row (a rollout is trained or withheld after it
+    was scored), so on SQLite the group is written as an UPDATE of the row, with the upsert
+    only where there is none yet (store/projection.py, :class:`TableWriter`)."""
 
     seq_col: str
     cols: tuple[str, ...]
     mode: Literal["first", "last"]
+    follows: bool = False
 
 
 @dataclass(frozen=True, eq=False)  # one module-level object per table: hashed by identity
@@ -137,8 +141,9 @@ ROLLOUTS = Spec(
                 "withheld_at",
             ),
             "first",
+            follows=True,
         ),
-        Group("trained_seq", ("trained_step", "train_position"), "first"),
+        Group("trained_seq", ("trained_step", "train_position"), "first", follows=True),
     ),
     derived=(STALENESS,),
 )

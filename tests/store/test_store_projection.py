@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+import pytest
 import sqlalchemy as sa
 
 from jetrl.bus import events as ev
@@ -145,3 +146,42 @@ def test_a_resume_makes_a_finished_run_running_until_it_finishes_again(store: St
     with store.read() as conn:
         row = conn.execute(sa.select(sc.Run.status, sc.Run.config).where(sc.Run.run_id == rid)).one()
     assert tuple(row) == ("completed", {"trainer": {"max_steps": 3}})
+
+
+def test_trained_and_withheld_rollouts_are_updates_of_their_rows(store: Store) -> None:
+    """On SQLite a rollout's training or withholding, folded apart from its scoring, is an
+    UPDATE of the scored row (``Group.follows``); a row that is not there yet (or has the group
+    already) is left to the upsert, which makes it. The rows are those of one whole batch."""
+    from jetrl.store.projection import _writer, write_tables
+    from jetrl.store.specs import ROLLOUTS
+
+    run = synthetic_run("upd", steps=4, seed=7)
+    items = log_items(run.events)
+    scored = [it for it in items if isinstance(it.event.body, ev.RolloutsScored)]
+    later = [it for it in items if isinstance(it.event.body, (ev.StepCompleted, ev.RolloutWithheld))]
+    rows = fold(later)["rollouts"]
+    assert rows and all(r["scored_seq"] is None for r in rows)
+    assert {r["rollout_id"] for r in rows if r["withheld_seq"] is not None}, "the run withholds some"
+    project(store, scored, "upd", [len(scored)], consumer="scored")
+    made = {r["rollout_id"] for r in fold(scored)["rollouts"]}
+    orphan = dict(rows[0], rollout_id="not-scored-yet")
+    with store.write() as conn:
+        if conn.dialect.name != "sqlite":
+            pytest.skip("the UPDATE path is SQLite's (PostgreSQL merges from a staging table)")
+        w = _writer(conn, ROLLOUTS)
+        cur = conn.connection.driver_connection.cursor()
+        left = w.update_rows(cur, [*rows, orphan])
+        assert [r["rollout_id"] for r in left] == [
+            *(r["rollout_id"] for r in rows if r["rollout_id"] not in made),
+            "not-scored-yet",
+        ]
+        again = w.update_rows(cur, rows)  # the groups are there now: nothing is changed twice
+        assert len(again) == len(rows)
+        write_tables(conn, [(w, left)])
+    with store.read() as conn:
+        by_id = {r.rollout_id: r._mapping for r in conn.execute(sa.select(sc.table_of(sc.Rollout)))}
+    for rid, (step, pos) in run.truth.trained.items():
+        if rid in made:
+            assert (by_id[rid]["trained_step"], by_id[rid]["train_position"]) == (step, pos)
+            assert by_id[rid]["staleness"] == step - by_id[rid]["policy_version_start"]
+    assert by_id["not-scored-yet"]["trained_seq"] == orphan["trained_seq"]
