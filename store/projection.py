@@ -168,7 +168,9 @@ class TableWriter:
     and per-row set-up around them.
 
     * SQLite: the compiled ``INSERT ... VALUES (?, ...) ON CONFLICT ...`` through the driver's
-      ``executemany`` (its loop over the rows is C).
+      ``executemany`` (its loop over the rows is C), after the rows that carry only a
+      ``follows`` group are tried as an ``UPDATE`` each (:meth:`update_rows`: a third of the
+      upsert's cost on a row that is there, whose every guard the upsert evaluates).
     * PostgreSQL: a binary ``COPY`` into a temporary staging table of the same columns
       (``pg_temp.jetrl_stage_<table>``, ``CREATE ... IF NOT EXISTS`` in each batch, emptied at
       commit), then one ``INSERT ... SELECT ... ON CONFLICT ...`` from it, then the staging rows
@@ -187,6 +189,7 @@ class TableWriter:
             for i, c in enumerate(self.columns)
             if (proc := t.c[c].type.dialect_impl(dialect).bind_processor(dialect)) is not None
         )
+        self.updates: dict[str, _GroupUpdate] = {}  # SQLite's, by the group's sequence column
         if dialect.name == "postgresql":
             staging = sa.Table(
                 f"jetrl_stage_{t.name}",
@@ -213,7 +216,7 @@ class TableWriter:
                 raise AssertionError(f"{t.name}: upsert parameters are not the table's columns in order")
             self.upsert = str(compiled)
             converters = dict((self.columns[i], conv) for i, conv in self._converters)
-            self.updates: dict[str, _GroupUpdate] = {
+            self.updates = {
                 g.seq_col: _GroupUpdate(spec, g, dialect, converters) for g in spec.groups if g.follows
             }
         else:
@@ -285,7 +288,8 @@ class _GroupUpdate:
         self._convert = [converters.get(c) for c in self._cols]
 
     def params(self, row: dict[str, Any]) -> list[Any]:
-        return [row[c] if conv is None else conv(row[c]) for c, conv in zip(self._cols, self._convert, strict=True)]
+        pairs = zip(self._cols, self._convert, strict=True)
+        return [row[c] if conv is None else conv(row[c]) for c, conv in pairs]
 
 
 def write_tables(conn: sa.Connection, writes: Sequence[tuple[TableWriter, Sequence[dict[str, Any]]]]) -> None:

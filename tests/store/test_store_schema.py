@@ -101,7 +101,9 @@ def test_json_columns_read_back_what_was_written(db_url: str) -> None:
         *([{"nan": float("nan"), "inf": float("-inf")}] if nan_ok else []),
     ]
     engine = make_engine(db_url)
-    t = sa.Table("json_probe", sa.MetaData(), sa.Column("i", sa.Integer, primary_key=True), sa.Column("v", sc.Json))
+    t = sa.Table(
+        "json_probe", sa.MetaData(), sa.Column("i", sa.Integer, primary_key=True), sa.Column("v", sc.Json)
+    )
     try:
         with engine.begin() as conn:
             t.create(conn)
