@@ -169,7 +169,9 @@ def test_trained_and_withheld_rollouts_are_updates_of_their_rows(store: Store) -
         if conn.dialect.name != "sqlite":
             pytest.skip("the UPDATE path is SQLite's (PostgreSQL merges from a staging table)")
         w = _writer(conn, ROLLOUTS)
-        cur = conn.connection.driver_connection.cursor()
+        driver = conn.connection.driver_connection
+        assert driver is not None
+        cur = driver.cursor()
         left = w.update_rows(cur, [*rows, orphan])
         assert [r["rollout_id"] for r in left] == [
             *(r["rollout_id"] for r in rows if r["rollout_id"] not in made),

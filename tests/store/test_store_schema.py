@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
@@ -94,7 +96,7 @@ def test_json_columns_read_back_what_was_written(db_url: str) -> None:
     assert json_text({"x": float("nan"), "y": None}) == '{"x": NaN, "y": null}'
     assert json_text({1: 2**70}) == '{"1":1180591620717411303424}'
     nan_ok = not db_url.startswith("postgresql")
-    values = [
+    values: list[dict[str, Any]] = [
         {"payloads": {"logprobs": {"kind": "log", "seq": 7, "shape": [3]}}, "flag": True},
         {"n": None, "x": 0.1},
         {"big": 2**63 + 1, "neg": -1e-300, "text": "ü\u2028", "key": {"1": True}},
