@@ -272,19 +272,20 @@ class _GroupUpdate:
 
     def __init__(self, spec: Spec, g: Group, dialect: sa.Dialect, converters: dict[str, Converter]) -> None:
         t = spec.table
-        written = (*g.cols, g.seq_col)
-        binds = {c: sa.bindparam(f"new_{c}", type_=t.c[c].type) for c in written}
+        binds = {c: sa.bindparam(f"new_{c}", type_=t.c[c].type) for c in (*g.cols, g.seq_col)}
+        keys = {k: sa.bindparam(f"key_{k}", type_=t.c[k].type) for k in spec.key}
         after: dict[str, sa.ColumnElement[Any]] = {c.name: binds.get(c.name, c) for c in t.columns}
         values: dict[str, sa.ColumnElement[Any]] = dict(binds)
         for d in spec.derived:
             values[d.column] = d.expr.sql(after)
         old = t.c[g.seq_col]
         applies = old.is_(None) if g.mode == "first" else sa.or_(old.is_(None), binds[g.seq_col] > old)
-        keys = [t.c[k] == sa.bindparam(f"key_{k}", type_=t.c[k].type) for k in spec.key]
-        compiled = sa.update(t).where(*keys, applies).values(values).compile(dialect=dialect)
+        where = [t.c[k] == b for k, b in keys.items()]
+        compiled = sa.update(t).where(*where, applies).values(values).compile(dialect=dialect)
         self.sql = str(compiled)
         # Each positional parameter's column and its bind processor (as the upsert converts it).
-        self._cols = [name.split("_", 1)[1] for name in compiled.positiontup or ()]
+        column_of = {b.key: c for c, b in (*binds.items(), *keys.items())}
+        self._cols = [column_of[name] for name in compiled.positiontup or ()]
         self._convert = [converters.get(c) for c in self._cols]
 
     def params(self, row: dict[str, Any]) -> list[Any]:
