@@ -1,8 +1,9 @@
 """``python -m jetrl.consumers.monitor --nats-url URL --run RUN --settings JSON``: the run's
 headless monitor part. It follows the log, publishes alert transitions on it, feeds the
 trackers ([monitor] wandb, tensorboard) and serves Prometheus' /metrics ([monitor]
-prometheus_port). Stopped, it first folds what the log holds, so the trackers get every step,
-and checks the alerts on it.
+prometheus_port). With neither trackers nor Prometheus it folds the steps alone: the alerts
+need nothing else, and the rest is most of the log. Stopped, it first folds what the log
+holds, so the trackers get every step, and checks the alerts on it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,11 @@ from jetrl.consumers.monitor.settings import MonitorPart
 async def watch(bus: Bus, run_id: str, part: MonitorPart, stop: asyncio.Event) -> int:
     log = get_logger(__name__, run_id=run_id, worker_id="monitor")
     s = part.monitor
-    monitor = Monitor(run_id, bus=bus, settings=s, publish_alerts=s.alerts, keep_steps=10_000)
+    # Alerts alone need the steps alone: the tasks, generations and rollouts (most of the log)
+    # are folded only for the trackers' and Prometheus' series.
+    monitor = Monitor(
+        run_id, bus=bus, settings=s, publish_alerts=s.alerts, keep_steps=10_000, rollouts=s.series_wanted
+    )
     bridge = None
     if s.wandb or s.tensorboard:
         from jetrl.consumers.monitor.trackers import open_trackers
@@ -48,6 +53,7 @@ async def watch(bus: Bus, run_id: str, part: MonitorPart, stop: asyncio.Event) -
                     from_seq=monitor.state.last_seq + 1,
                     on_point=monitor.tell,
                     to_head=True,
+                    types=monitor.types,
                 ),
                 timeout=10.0,
             )

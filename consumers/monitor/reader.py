@@ -60,10 +60,12 @@ async def follow(
     on_point: OnPoint | None = None,
     to_head: bool = False,
     stop: asyncio.Event | None = None,
+    types: frozenset[str] | None = None,
 ) -> None:
     """Fold the run's log into ``state`` from ``start`` (or exactly ``from_seq``), forever (or
     ``to_head``: until caught up). Undecodable messages are counted and skipped: they are the
-    dead-letter path's to keep."""
+    dead-letter path's to keep. ``types``: only events of these types are decoded (a state that
+    folds the steps alone passes the rest over: ``series.STEP_EVENTS``)."""
     run_id = state.run_id
     if from_seq is None and start.step is not None:
         state.from_step = start.step
@@ -73,7 +75,7 @@ async def follow(
         else:
             from_seq, state.last_step_t = found
     from_time = start.time if from_seq is None else None
-    tail = bus.tail(run_id, from_seq=from_seq, from_time=from_time, to_head=to_head)
+    tail = bus.tail(run_id, from_seq=from_seq, from_time=from_time, to_head=to_head, types=types)
     async for item in tail:
         if item.event is None:
             state.undecodable += 1

@@ -53,6 +53,12 @@ FOLDED = (
     rm.Loaded,
     rm.Alerted,
 )
+# What a fold of the steps alone takes (``MonitorState(rollouts=False)``): enough for every
+# alert rule, without the tasks, generations and rollouts that are most of a run's log (the
+# reader passes those over undecoded: ``STEP_EVENTS``). A step's reward and staleness are then
+# the trainer's own metrics, the same means over the same rollouts.
+STEP_FACTS = (rm.Started, rm.Resumed, rm.Finished, rm.Stepped, rm.Dead, rm.Beat, rm.Loaded, rm.Alerted)
+STEP_EVENTS = frozenset(f.OF.TYPE for f in STEP_FACTS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,8 +189,11 @@ def _means_by(pairs: list[tuple[str, float]]) -> dict[str, float]:
 class MonitorState:
     """The fold. ``apply`` takes facts in log order; ``steps`` is the series so far."""
 
-    def __init__(self, run_id: str, *, keep_steps: int | None = None) -> None:
+    def __init__(self, run_id: str, *, keep_steps: int | None = None, rollouts: bool = True) -> None:
+        """``rollouts``: fold the tasks, generations and rollouts too (the series per
+        environment and tenant, lengths, backlogs); without, only ``STEP_FACTS``."""
         self.run_id = run_id
+        self.folded = FOLDED if rollouts else STEP_FACTS
         self.steps: deque[StepPoint] = deque(maxlen=keep_steps)
         self.config: dict[str, Any] = {}
         self.started_at: float | None = None
@@ -216,7 +225,7 @@ class MonitorState:
 
     def apply(self, r: rm.Fact) -> StepPoint | None:
         """Fold one fact; returns the new StepPoint when it was a step."""
-        if not isinstance(r, FOLDED) or r.seq <= self.last_seq:
+        if not isinstance(r, self.folded) or r.seq <= self.last_seq:
             return None  # not one of the series', or seen already (a reader resumed earlier)
         self.last_seq = r.seq
         self.last_t = max(self.last_t, r.t)
@@ -296,6 +305,13 @@ class MonitorState:
         stale = [float(r.step - x.version_start) for x in trained]
         queued = [float(r.step + 1 - x.version_start) for x in self._queued.values()]
         inference_s = self._wait_since_step + self._busy_since_step
+        if self.folded is STEP_FACTS:  # no rollouts folded: the trainer's figures of them
+            reward = float(r.metrics.get("reward_mean", 0.0))
+            stale_mean = float(r.metrics.get("staleness_mean", 0.0))
+            stale_max = float(r.metrics.get("staleness_max", 0.0))
+        else:
+            reward = _mean([x.reward for x in trained])
+            stale_mean, stale_max = _mean(stale), max(stale, default=0.0)
         point = StepPoint(
             step=r.step,
             policy_version=r.version,
@@ -303,12 +319,12 @@ class MonitorState:
             seq=r.seq,
             rollouts=len(r.rollout_ids),
             tokens=r.tokens,
-            reward_mean=_mean([x.reward for x in trained]),
+            reward_mean=reward,
             reward_by_env=_means_by([(x.env, x.reward) for x in trained]),
             reward_by_tenant=_means_by([(x.tenant, x.reward) for x in trained]),
             trainer={k: float(r.metrics.get(k, 0.0)) for k in TRAINER_METRICS},
-            staleness_mean=_mean(stale),
-            staleness_max=max(stale, default=0.0),
+            staleness_mean=stale_mean,
+            staleness_max=stale_max,
             queue_staleness_mean=_mean(queued),
             seq_len_mean=_mean([float(x.length or 0) for x in trained]),
             truncated_frac=_mean([1.0 if reason == "length" else 0.0 for reason in reasons if reason]),

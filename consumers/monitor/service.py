@@ -23,7 +23,7 @@ from jetrl.bus.log import get_logger
 from jetrl.consumers.monitor import reader
 from jetrl.consumers.monitor.alerts import Alerts
 from jetrl.consumers.monitor.inspector import Inspector
-from jetrl.consumers.monitor.series import MonitorState, StepPoint
+from jetrl.consumers.monitor.series import STEP_EVENTS, MonitorState, StepPoint
 from jetrl.consumers.monitor.settings import MonitorSettings
 from jetrl.store.db import Store
 
@@ -45,9 +45,12 @@ class Monitor:
         publish_alerts: bool = False,
         keep_steps: int | None = None,
         log_bus: Bus | None = None,
+        rollouts: bool = True,
     ) -> None:
         """``log_bus``: a finished run's log served apart from its store (by a private server
-        on the run's own log files), read by the inspector only: the series come from the store."""
+        on the run's own log files), read by the inspector only: the series come from the store.
+        ``rollouts``: fold the tasks, generations and rollouts too; without (a monitor that only
+        raises alerts), their events are passed over undecoded (series.STEP_FACTS)."""
         if bus is None and store is None:
             raise ValueError("a monitor reads a run's log (bus) or its store (store)")
         self.run_id = run_id
@@ -56,7 +59,8 @@ class Monitor:
         self.s = settings or MonitorSettings()
         self.start = start or reader.Start()
         self.publish_alerts = publish_alerts
-        self.state = MonitorState(run_id, keep_steps=keep_steps)
+        self.state = MonitorState(run_id, keep_steps=keep_steps, rollouts=rollouts)
+        self.types = None if rollouts else STEP_EVENTS
         self.alerts = Alerts(self.s.rules)
         self.listeners: list[Listener] = []
         self.queues: list[reader.QueueDepth] = []
@@ -99,7 +103,9 @@ class Monitor:
         checks = asyncio.create_task(self._checks(stop))
         try:
             # Catch up with what the log holds, then follow it.
-            await reader.follow(self.bus, self.state, start=self.start, on_point=self.tell, to_head=True)
+            await reader.follow(
+                self.bus, self.state, start=self.start, on_point=self.tell, to_head=True, types=self.types
+            )
             self.caught_up.set()
             log.info(
                 "monitor_caught_up", run_id=self.run_id, events=self.state.events, seq=self.state.last_seq
@@ -111,6 +117,7 @@ class Monitor:
                     start=reader.Start(),
                     on_point=self.tell,
                     from_seq=self.state.last_seq + 1,
+                    types=self.types,
                 )
             )
             waiter = asyncio.create_task(stop.wait())

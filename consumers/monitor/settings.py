@@ -46,6 +46,12 @@ class MonitorSettings(Section):
         """Whether the run needs a monitor part."""
         return self.alerts or self.wandb or self.tensorboard or self.prometheus_port is not None
 
+    @property
+    def series_wanted(self) -> bool:
+        """Whether the part's listeners take the series (trackers, Prometheus), not only the
+        alerts, which read the steps alone."""
+        return self.wandb or self.tensorboard or self.prometheus_port is not None
+
 
 class MonitorPart(Section):
     """The monitor part's input (``python -m jetrl.consumers.monitor --settings``)."""

@@ -7,12 +7,14 @@ import asyncio
 import time
 
 import msgspec
+import pytest
 
 from jetrl.bus import events as ev
 from jetrl.bus import subjects
 from jetrl.bus.client import Bus
+from jetrl.consumers.monitor.alerts import conditions
 from jetrl.consumers.monitor.reader import Start, follow
-from jetrl.consumers.monitor.series import FOLDED, MonitorState, StepPoint
+from jetrl.consumers.monitor.series import FOLDED, STEP_EVENTS, MonitorState, StepPoint
 from jetrl.consumers.monitor.service import Monitor
 from jetrl.consumers.monitor.settings import AlertSettings, MonitorSettings
 from jetrl.store import readmodel as rec
@@ -66,6 +68,36 @@ async def test_follow_folds_the_log_and_counts_what_is_not_an_event(bus: Bus, ru
         return {k: v for k, v in p.as_json().items() if not k.startswith("queue/")}
 
     assert [figures(p) for p in later.steps] == [figures(p) for p in state.steps if p.step >= 4]
+
+
+async def test_a_fold_of_the_steps_alone_passes_the_rollouts_over_and_alerts_alike(
+    bus: Bus, run_id: str
+) -> None:
+    """The alerts-only monitor part's fold: the tasks, generations and rollouts are passed over
+    undecoded (a garbled rollout event is no undecodable message to it), and its steps' rewards
+    are the trainer's, so every rule comes to the same verdict as on the whole fold."""
+    events = with_rollout_seqs(synthetic_run(run_id, steps=8, tasks_per_step=3, group_size=4).events)
+    await publish_events(bus, events)
+    garbled = {ev.HEADER_TYPE: "RolloutsScored"}
+    await bus.js.publish(subjects.rollout_subject(run_id, "local", "env"), b"garbled", headers=garbled)
+    whole, steps = MonitorState(run_id), MonitorState(run_id, rollouts=False)
+    await follow(bus, whole, to_head=True)
+    await follow(bus, steps, to_head=True, types=STEP_EVENTS)
+    assert (whole.undecodable, steps.undecodable) == (1, 0)
+    assert steps.events == sum(1 for e in events if e.type in STEP_EVENTS) < whole.events / 2
+    assert [p.step for p in steps.steps] == [p.step for p in whole.steps]
+    rewards = [p.reward_mean for p in whole.steps]
+    assert len(set(rewards)) > 1
+    assert [p.reward_mean for p in steps.steps] == pytest.approx(rewards, abs=1e-6)
+    # A reward window of 2 and a drop of a hundredth: the collapse rule reads the rewards.
+    rules = AlertSettings(reward_window=2, reward_drop=0.01, trainer_stall_s=1.0)
+    now = whole.last_t + 5.0
+
+    def verdicts(state: MonitorState) -> list[tuple[str, str, bool, float]]:
+        return [(c.rule, c.key, c.holds, round(c.value, 5)) for c in conditions(state, rules, now)]
+
+    assert ("reward_collapse", "run", True) in [v[:3] for v in verdicts(whole)]
+    assert verdicts(steps) == verdicts(whole)
 
 
 async def test_follow_from_a_time(bus: Bus, run_id: str) -> None:
