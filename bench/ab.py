@@ -61,7 +61,7 @@ def sign_test_p(better: int, n: int) -> float:
 def measure(tree: Path, args: argparse.Namespace, out: Path) -> dict[str, float] | None:
     """One measurement with ``tree``'s jetrl; its figures, flat (seconds), or None when the run
     failed (its output is shown). Both sides import jetrl alike: through the tree's
-    ``.typecheck`` mirror, first on the path."""
+    ``.typecheck`` mirror, first on the path, the bench, the supervisor and the forked parts."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(tree / ".typecheck"), env.get("PYTHONPATH")] if p)
     if args.to_target:
@@ -76,7 +76,10 @@ def measure(tree: Path, args: argparse.Namespace, out: Path) -> dict[str, float]
         str(out),
         *(["--", *args.over] if args.over else []),
     ]
-    got = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    # Run from a folder with no jetrl in it: the parts' fork server, like `python -m`, puts its
+    # working folder first on its path (Python 3.11's fork server does not take its parent's),
+    # so run from the repository it would import the repository's jetrl on both sides.
+    got = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, cwd=out.parent)
     if got.returncode != 0 or not out.exists():
         print(f"  the run failed ({got.returncode}):\n{got.stdout[-2000:]}{got.stderr[-2000:]}", flush=True)
         return None
