@@ -36,12 +36,13 @@ float summation. Unpacked batches are untouched by all of this.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from jetrl.policy.columns import RolloutColumns, collate_columns
 from jetrl.policy.models import ModelConfig
 from jetrl.policy.train import Rollout, TrainBatch, check_rollouts, collate
 
@@ -222,9 +223,12 @@ def collate_packed(
 def padded_layout(rollouts: Sequence[Rollout]) -> PackedLayout:
     """The layout of :func:`~jetrl.policy.train.collate`'s batch: rollout ``i`` alone in row
     ``i``, from position 0."""
-    placements = tuple(
-        Placement(i, 0, len(r.prompt_ids), len(r.completion_ids)) for i, r in enumerate(rollouts)
-    )
+    lens: Iterable[tuple[int, int]]
+    if isinstance(rollouts, RolloutColumns):
+        lens = zip(rollouts.prompt_lens.tolist(), rollouts.completion_lens.tolist(), strict=True)
+    else:
+        lens = ((len(r.prompt_ids), len(r.completion_ids)) for r in rollouts)
+    placements = tuple(Placement(i, 0, p, c) for i, (p, c) in enumerate(lens))
     return PackedLayout(
         placements, tuple((i,) for i in range(len(rollouts))), max(p.length for p in placements)
     )
@@ -237,4 +241,6 @@ def collate_for(
     or (0) one rollout per right-padded row, bit for bit the batch trained before packing."""
     if pack_tokens:
         return collate_packed(rollouts, model_cfg, pack_tokens)
+    if isinstance(rollouts, RolloutColumns):
+        return collate_columns(rollouts, model_cfg), padded_layout(rollouts)
     return collate(rollouts, model_cfg), padded_layout(rollouts)

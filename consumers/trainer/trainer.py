@@ -30,7 +30,7 @@ import contextlib
 import functools
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -72,6 +72,7 @@ from jetrl.consumers.trainer.groups import (
 from jetrl.consumers.trainer.replay import Replayer, ReplayError, read_rollouts, read_run_log, trained_seqs
 from jetrl.consumers.trainer.settings import TrainerPart
 from jetrl.consumers.trainer.withholding import ScoredDelivery, rollout_consumer_spec, withheld_event
+from jetrl.policy.columns import completion_tokens
 from jetrl.policy.origin import model_config_of
 from jetrl.policy.train import Rollout
 from jetrl.policy.weights import ExportedWeights
@@ -373,7 +374,7 @@ class Trainer:
         token_stats = await self.token_stats(self.version)
         step = self.version
         self.version += 1
-        tokens = u.tokens + sum(len(r.completion_ids) for r in rollouts)
+        tokens = u.tokens + completion_tokens(rollouts)
         parts: dict[str, list[float]] = {}
         for m in members:
             for k, v in m.rollout.reward_parts.items():
@@ -439,10 +440,10 @@ class Trainer:
         t0 = time.perf_counter()
         rollouts = await self.inputs(groups)
         await asyncio.to_thread(self.core.accumulate, rollouts)
-        tokens = sum(len(r.completion_ids) for r in rollouts)
+        tokens = completion_tokens(rollouts)
         self.under_way.add(groups, tokens, wait_s, read_s, time.perf_counter() - t0)
 
-    async def inputs(self, groups: list[Group]) -> list[Rollout]:
+    async def inputs(self, groups: list[Group]) -> Sequence[Rollout]:
         """The training inputs of vetted ``groups``, in training order: groups by arrival,
         samples by index (recorded in StepCompleted)."""
         for g in groups:

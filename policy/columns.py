@@ -1,0 +1,241 @@
+"""A step's rollouts as joined columns, and their batch built from the columns.
+
+The trainer reads a step's few hundred rollouts as arrays (policy/train.py's :class:`Rollout`
+holds one rollout's); cutting the joined arrays into one tensor per rollout, then joining them
+again in :func:`~jetrl.policy.train.collate`, costs a dispatch or two per rollout each way.
+:class:`RolloutColumns` keeps each field of all the rollouts in one array, cut by their
+lengths. It is a ``Sequence[Rollout]``, so every engine takes it as it takes a list (indexing
+makes each rollout's view); :func:`collate_columns` builds the same :class:`TrainBatch` as
+``collate`` does from the list, bit for bit, in a few whole-array operations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import overload
+
+import numpy as np
+import torch
+
+from jetrl.policy.models import ModelConfig
+from jetrl.policy.train import Rollout, TrainBatch, _offsets, _rows, collate
+
+
+class RolloutColumns(Sequence[Rollout]):
+    """Rollout ``i`` is ``prompts[sum(prompt_lens[:i]) :][: prompt_lens[i]]``, and likewise
+    its completion, logprobs and mask (by ``completion_lens``) and its routing trace (by
+    ``prompt_lens + completion_lens - 1`` rows). ``routing`` and ``completion_mask`` are each
+    every rollout's or none's."""
+
+    __slots__ = (
+        "_c0",
+        "_p0",
+        "_r0",
+        "advantages",
+        "completion_lens",
+        "completion_mask",
+        "completions",
+        "inference_logprobs",
+        "prompt_lens",
+        "prompts",
+        "routing",
+    )
+
+    def __init__(
+        self,
+        *,
+        prompt_lens: np.ndarray,
+        completion_lens: np.ndarray,
+        prompts: np.ndarray,
+        completions: np.ndarray,
+        inference_logprobs: torch.Tensor,
+        advantages: Sequence[float],
+        routing: torch.Tensor | None = None,
+        completion_mask: np.ndarray | None = None,
+    ) -> None:
+        self.prompt_lens = np.asarray(prompt_lens, dtype=np.int64)
+        self.completion_lens = np.asarray(completion_lens, dtype=np.int64)
+        self.prompts, self.completions = prompts, completions
+        self.inference_logprobs = inference_logprobs
+        self.routing, self.completion_mask = routing, completion_mask
+        self.advantages = list(advantages)
+        n = len(self.prompt_lens)
+        p_total, c_total = int(self.prompt_lens.sum()), int(self.completion_lens.sum())
+        sizes = {
+            "completion_lens": (len(self.completion_lens), n),
+            "advantages": (len(self.advantages), n),
+            "prompts": (len(prompts), p_total),
+            "completions": (len(completions), c_total),
+            "inference_logprobs": (len(inference_logprobs), c_total),
+        }
+        if completion_mask is not None:
+            sizes["completion_mask"] = (len(completion_mask), c_total)
+        if routing is not None:
+            sizes["routing"] = (len(routing), p_total + c_total - n)
+        wrong = {k: v for k, v in sizes.items() if v[0] != v[1]}
+        if wrong:
+            raise ValueError(f"columns of {n} rollouts do not match their lengths (got, want): {wrong}")
+        self._p0 = _starts(self.prompt_lens)
+        self._c0 = _starts(self.completion_lens)
+        self._r0 = _starts(self.prompt_lens + self.completion_lens - 1)
+
+    @classmethod
+    def of(cls, rollouts: Sequence[Rollout]) -> RolloutColumns:
+        """The columns of ``rollouts``: routing traces every rollout's or none's (else a
+        ValueError); a mask where any rollout has one (all its tokens the model's where not)."""
+        traces = [r.routing for r in rollouts]
+        traced = [t for t in traces if t is not None]  # not `None in`: it compares arrays
+        if traced and len(traced) < len(traces):
+            raise ValueError("routing traces must be every rollout's or none's")
+        masks = [r.completion_mask for r in rollouts]
+        empty = np.zeros(0, dtype=np.int64)
+        return cls(
+            prompt_lens=np.array([len(r.prompt_ids) for r in rollouts], dtype=np.int64),
+            completion_lens=np.array([len(r.completion_ids) for r in rollouts], dtype=np.int64),
+            prompts=np.concatenate([np.asarray(r.prompt_ids, dtype=np.int64) for r in rollouts] or [empty]),
+            completions=np.concatenate(
+                [np.asarray(r.completion_ids, dtype=np.int64) for r in rollouts] or [empty]
+            ),
+            inference_logprobs=torch.cat([r.inference_logprobs for r in rollouts])
+            if rollouts
+            else torch.zeros(0),
+            advantages=[r.advantage for r in rollouts],
+            routing=torch.cat(traced) if traced else None,
+            completion_mask=joined_masks(masks, [len(r.completion_ids) for r in rollouts]),
+        )
+
+    def __len__(self) -> int:
+        return len(self.prompt_lens)
+
+    @overload
+    def __getitem__(self, i: int) -> Rollout: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[Rollout]: ...
+
+    def __getitem__(self, i: int | slice) -> Rollout | Sequence[Rollout]:
+        if isinstance(i, slice):
+            return self._slice(i)
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"rollout {i} of {n}")
+        i %= n
+        p0, p = int(self._p0[i]), int(self.prompt_lens[i])
+        c0, c = int(self._c0[i]), int(self.completion_lens[i])
+        r0 = int(self._r0[i])
+        return Rollout(
+            prompt_ids=self.prompts[p0 : p0 + p],
+            completion_ids=self.completions[c0 : c0 + c],
+            inference_logprobs=self.inference_logprobs[c0 : c0 + c],
+            advantage=self.advantages[i],
+            routing=None if self.routing is None else self.routing[r0 : r0 + p + c - 1],
+            completion_mask=None if self.completion_mask is None else self.completion_mask[c0 : c0 + c],
+        )
+
+    def _slice(self, s: slice) -> Sequence[Rollout]:
+        """A run of consecutive rollouts as columns (a streaming step's micro-batch); any other
+        selection as a list."""
+        start, stop, step = s.indices(len(self))
+        if step != 1:
+            return [self[j] for j in range(start, stop, step)]
+        stop = max(start, stop)
+        n = len(self)
+
+        def cut(starts: np.ndarray, total: int) -> slice:
+            lo = int(starts[start]) if start < n else total
+            hi = int(starts[stop]) if stop < n else total
+            return slice(lo, hi)
+
+        p = cut(self._p0, len(self.prompts))
+        c = cut(self._c0, len(self.completions))
+        r = cut(self._r0, 0 if self.routing is None else len(self.routing))
+        return RolloutColumns(
+            prompt_lens=self.prompt_lens[start:stop],
+            completion_lens=self.completion_lens[start:stop],
+            prompts=self.prompts[p],
+            completions=self.completions[c],
+            inference_logprobs=self.inference_logprobs[c],
+            advantages=self.advantages[start:stop],
+            routing=None if self.routing is None else self.routing[r],
+            completion_mask=None if self.completion_mask is None else self.completion_mask[c],
+        )
+
+
+def joined_masks(
+    masks: Sequence[Sequence[bool] | np.ndarray | None], lens: Sequence[int]
+) -> np.ndarray | None:
+    """The completion masks of rollouts joined (a rollout without one: every token the
+    model's), or None where none has one."""
+    if all(m is None for m in masks):
+        return None
+    return np.concatenate(
+        [
+            np.ones(n, dtype=bool) if m is None else np.asarray(m, dtype=bool)
+            for m, n in zip(masks, lens, strict=True)
+        ]
+    )
+
+
+def _starts(lens: np.ndarray) -> np.ndarray:
+    out: np.ndarray = np.cumsum(lens) - lens
+    return out
+
+
+def completion_tokens(rollouts: Sequence[Rollout]) -> int:
+    """The completion tokens of ``rollouts`` (columns: without a rollout's view each)."""
+    if isinstance(rollouts, RolloutColumns):
+        return int(rollouts.completion_lens.sum())
+    return sum(len(r.completion_ids) for r in rollouts)
+
+
+def collate_columns(cols: RolloutColumns, model_cfg: ModelConfig, *, pad_id: int = 0) -> TrainBatch:
+    """:func:`~jetrl.policy.train.collate` of the rollouts ``cols`` holds: the same batch, the
+    same checks. Whatever fails a check goes through ``collate`` rollout by rollout, so the
+    error names the rollout and says what is wrong exactly as there."""
+    b = len(cols)
+    if not b or not _fits(cols, model_cfg):
+        return collate(list(cols), model_cfg, pad_id=pad_id)
+    plen, clen = cols.prompt_lens, cols.completion_lens
+    lens = plen + clen
+    width = int(lens.max())
+    ids = np.full((b, width), pad_id, dtype=np.int64)
+    ids[_rows(plen), _offsets(plen)] = cols.prompts
+    ids[_rows(clen), _offsets(clen) + np.repeat(plen, clen)] = cols.completions
+    # Completion token j of a rollout with P prompt tokens is predicted at position P - 1 + j.
+    crow, ccol = _rows(clen), _offsets(clen) + np.repeat(plen - 1, clen)
+    mask = np.zeros((b, width - 1), dtype=bool)
+    mask[crow, ccol] = True if cols.completion_mask is None else cols.completion_mask
+    inf_lp = np.zeros((b, width - 1), dtype=np.float32)
+    inf_lp[crow, ccol] = cols.inference_logprobs.detach().float().cpu().numpy()
+    adv = torch.tensor([float(a) for a in cols.advantages], dtype=torch.float32)
+    routing = None
+    if cols.routing is not None:
+        k = model_cfg.top_k
+        # Padding rows route to experts 0..top_k-1, as pad_traces does (policy/routing.py).
+        routing = torch.arange(k, dtype=torch.long).expand(b, width - 1, model_cfg.num_moe_layers, k).clone()
+        routing[torch.from_numpy(_rows(lens - 1)), torch.from_numpy(_offsets(lens - 1))] = cols.routing.long()
+    return TrainBatch(torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(inf_lp), adv, routing)
+
+
+def _fits(cols: RolloutColumns, cfg: ModelConfig) -> bool:
+    """Whether ``collate`` would take these rollouts without an error: every rollout at least
+    one prompt and one completion token, every token id in the vocabulary, and routing traces
+    (on an MoE model only) of ``[moe_layers, top_k]`` distinct expert ids below
+    ``num_experts`` per row. The columns' own lengths are checked when they are made."""
+    if int(cols.prompt_lens.min()) < 1 or int(cols.completion_lens.min()) < 1:
+        return False
+    for tokens in (cols.prompts, cols.completions):
+        if int(tokens.min()) < 0 or int(tokens.max()) >= cfg.vocab_size:
+            return False
+    t = cols.routing
+    if t is None:
+        return True
+    if not cfg.is_moe or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        return False
+    if tuple(t.shape[1:]) != (cfg.num_moe_layers, cfg.top_k):
+        return False
+    ids = t.long()
+    if int(ids.min()) < 0 or int(ids.max()) >= cfg.num_experts:
+        return False
+    srt = ids.sort(dim=-1).values
+    return not bool((srt[..., 1:] == srt[..., :-1]).any())
