@@ -73,6 +73,26 @@ class PartProcess(Protocol):
     def kill(self) -> None: ...
 
 
+class ShadowedPackage(ValueError):
+    """The working folder holds a ``jetrl`` package other than the one this process runs."""
+
+
+def check_working_folder(cwd: Path | None = None) -> None:
+    """Refuse to start parts from a folder holding another ``jetrl`` package (another checkout):
+    a part imports the working folder's first (the fork server and ``python -m`` put it first on
+    their path; Python 3.11's fork server ignores the path its parent hands it), so its parts
+    would run that code while this process runs its own."""
+    import jetrl
+
+    here = Path(jetrl.__file__).resolve().parent
+    there = (cwd or Path.cwd()) / "jetrl" / "__init__.py"
+    if there.is_file() and there.resolve().parent != here:
+        raise ShadowedPackage(
+            f"the working folder holds another jetrl package ({there.parent}), which the parts "
+            f"would import instead of this one ({here}): start the run from another folder"
+        )
+
+
 def fork_server() -> multiprocessing.context.ForkServerContext:
     """The process-wide fork server, started (and its modules imported) on first use."""
     global _context

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from jetrl.bus.log import configure
 from jetrl.deploy.config import ConfigError, load_config
+from jetrl.deploy.launcher import ShadowedPackage
 from jetrl.deploy.parts import KINDS
 from jetrl.deploy.supervisor import Supervisor
 from jetrl.deploy.tenants_cmd import tenants_dir
@@ -28,15 +29,19 @@ def main(args: argparse.Namespace) -> int:
         return 2
     run_id = args.run_id or f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(args.runs_dir or cfg.run.runs_dir) / run_id
-    sup = Supervisor(
-        cfg,
-        run_id,
-        run_dir,
-        nats_url=args.nats_url,
-        db_url=args.db,
-        tenants_dir=Path(tenants_dir(args.tenants_dir)),
-        local=local,
-    )
+    try:
+        sup = Supervisor(
+            cfg,
+            run_id,
+            run_dir,
+            nats_url=args.nats_url,
+            db_url=args.db,
+            tenants_dir=Path(tenants_dir(args.tenants_dir)),
+            local=local,
+        )
+    except ShadowedPackage as exc:
+        print(f"jetrl run: {exc}")
+        return 2
     return asyncio.run(sup.run())
 
 

@@ -34,7 +34,7 @@ from jetrl.bus.streams import ensure_tenant_view, run_usage, stream_name
 from jetrl.consumers.trainer.withholding import close_out
 from jetrl.deploy.config import RunConfig, library_versions
 from jetrl.deploy.cores import CoreSplit, run_split
-from jetrl.deploy.launcher import PartProcess, start_part, warm_up
+from jetrl.deploy.launcher import PartProcess, check_working_folder, start_part, warm_up
 from jetrl.deploy.parts import KINDS, PartCommand, PartCommands
 from jetrl.deploy.report import RunReport
 from jetrl.deploy.tenants import ADMIN, TenantRegistry
@@ -103,6 +103,8 @@ class Supervisor:
         self.db_url = db_url or cfg.store.db or f"sqlite:///{(run_dir / 'store.db').resolve()}"
         self.quiet = quiet
         self.local = local  # the kinds of part started here; the others run elsewhere
+        if local:
+            check_working_folder()
         self.overrides = list(overrides or [])  # a resume's, recorded in its RunResumed
         self.final_step_seen = asyncio.Event()  # the trainer said its goal is reached
         self.announced_seq = 0  # this run's RunStarted, or this resume's RunResumed

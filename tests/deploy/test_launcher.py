@@ -14,7 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from jetrl.deploy.launcher import ForkedPart, process_start_time, start_part
+import jetrl
+from jetrl.deploy.config import load_config
+from jetrl.deploy.launcher import (
+    ForkedPart,
+    ShadowedPackage,
+    check_working_folder,
+    process_start_time,
+    start_part,
+)
+from jetrl.deploy.supervisor import Supervisor
 
 CHILD = [sys.executable, "-m", "tests.support.forked_child"]
 
@@ -201,3 +210,25 @@ def _end(script: subprocess.Popen[str], part: int | None) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(group, signal.SIGKILL)
     script.wait()
+
+
+def test_parts_are_not_started_from_a_folder_holding_another_jetrl(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A part imports the working folder's jetrl first (the fork server's path and `python -m`'s
+    begin with it): started from another checkout's folder, the parts would run its code while the
+    supervisor runs its own. `jetrl run` says so and exits 2; a supervisor starting no parts here,
+    or run from the package's own folder, is let be."""
+    shadow = tmp_path / "checkout"
+    (shadow / "jetrl").mkdir(parents=True)
+    (shadow / "jetrl" / "__init__.py").write_text("")
+    cli = Path(sys.executable).parent / "jetrl"
+    got = subprocess.run([str(cli), "run"], cwd=shadow, capture_output=True, text=True, timeout=120)
+    assert got.returncode == 2, got.stdout + got.stderr
+    assert "another jetrl package" in got.stdout and str(shadow / "jetrl") in got.stdout
+    monkeypatch.chdir(shadow)
+    with pytest.raises(ShadowedPackage):
+        Supervisor(load_config(None, []), "shadowed", tmp_path / "run")
+    Supervisor(load_config(None, []), "remote", tmp_path / "run", local=frozenset())
+    check_working_folder(tmp_path)  # no jetrl there
+    check_working_folder(Path(jetrl.__file__).resolve().parents[1])  # this package's own folder
