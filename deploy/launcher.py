@@ -32,6 +32,8 @@ from typing import Protocol
 
 import setproctitle
 
+import jetrl
+
 # What the fork server imports before it forks anything: every part's entry point and the
 # model code behind the embedded engines (the costly imports), after the module that takes the
 # fork server out of the process group a signal to the supervisor's job reaches.
@@ -82,8 +84,6 @@ def check_working_folder(cwd: Path | None = None) -> None:
     a part imports the working folder's first (the fork server and ``python -m`` put it first on
     their path; Python 3.11's fork server ignores the path its parent hands it), so its parts
     would run that code while this process runs its own."""
-    import jetrl
-
     here = Path(jetrl.__file__).resolve().parent
     there = (cwd or Path.cwd()) / "jetrl" / "__init__.py"
     if there.is_file() and there.resolve().parent != here:

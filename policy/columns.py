@@ -80,29 +80,74 @@ class RolloutColumns(Sequence[Rollout]):
         self._r0 = _starts(self.prompt_lens + self.completion_lens - 1)
 
     @classmethod
-    def of(cls, rollouts: Sequence[Rollout]) -> RolloutColumns:
-        """The columns of ``rollouts``: routing traces every rollout's or none's (else a
-        ValueError); a mask where any rollout has one (all its tokens the model's where not)."""
-        traces = [r.routing for r in rollouts]
+    def joined(
+        cls,
+        prompts: Sequence[np.ndarray],
+        completions: Sequence[np.ndarray],
+        logprobs: Sequence[np.ndarray],
+        masks: Sequence[np.ndarray | None],
+        traces: Sequence[np.ndarray | None],
+        advantages: Sequence[float],
+    ) -> RolloutColumns | None:
+        """Rollout ``i``'s arrays (``prompts[i]``, ...) joined into columns; None where one of
+        them disagrees with its lengths (a logprob, mask value or trace row too many or too few,
+        an array not 1-D, routing traces some rollouts' only, traces of unlike shapes): those go
+        to ``collate`` one by one, whose checks name the rollout. A rollout without a mask has
+        every completion token the model's."""
+        n = len(prompts)
+        if not n or any(a.ndim != 1 for arrays in (prompts, completions, logprobs) for a in arrays):
+            return None
+        plen = np.fromiter((len(a) for a in prompts), np.int64, n)
+        clen = np.fromiter((len(a) for a in completions), np.int64, n)
+        if (np.fromiter((len(a) for a in logprobs), np.int64, n) != clen).any():
+            return None
+        lens = clen.tolist()
+        if any(m is not None and (m.ndim != 1 or len(m) != c) for m, c in zip(masks, lens, strict=True)):
+            return None
         traced = [t for t in traces if t is not None]  # not `None in`: it compares arrays
-        if traced and len(traced) < len(traces):
-            raise ValueError("routing traces must be every rollout's or none's")
-        masks = [r.completion_mask for r in rollouts]
-        empty = np.zeros(0, dtype=np.int64)
+        routing = None
+        if traced:
+            if len(traced) < n or len({t.shape[1:] for t in traced}) != 1:
+                return None
+            if (np.fromiter((len(t) for t in traced), np.int64, n) != plen + clen - 1).any():
+                return None
+            routing = torch.from_numpy(np.concatenate(traced).astype(np.int64, copy=False))
+        mask = None
+        if any(m is not None for m in masks):
+            mask = np.concatenate(
+                [
+                    np.ones(c, dtype=bool) if m is None else m.astype(bool)
+                    for m, c in zip(masks, lens, strict=True)
+                ]
+            )
         return cls(
-            prompt_lens=np.array([len(r.prompt_ids) for r in rollouts], dtype=np.int64),
-            completion_lens=np.array([len(r.completion_ids) for r in rollouts], dtype=np.int64),
-            prompts=np.concatenate([np.asarray(r.prompt_ids, dtype=np.int64) for r in rollouts] or [empty]),
-            completions=np.concatenate(
-                [np.asarray(r.completion_ids, dtype=np.int64) for r in rollouts] or [empty]
-            ),
-            inference_logprobs=torch.cat([r.inference_logprobs for r in rollouts])
-            if rollouts
-            else torch.zeros(0),
-            advantages=[r.advantage for r in rollouts],
-            routing=torch.cat(traced) if traced else None,
-            completion_mask=joined_masks(masks, [len(r.completion_ids) for r in rollouts]),
+            prompt_lens=plen,
+            completion_lens=clen,
+            prompts=np.concatenate(prompts).astype(np.int64, copy=False),
+            completions=np.concatenate(completions).astype(np.int64, copy=False),
+            inference_logprobs=torch.from_numpy(np.concatenate(logprobs)),
+            advantages=advantages,
+            routing=routing,
+            completion_mask=mask,
         )
+
+    @classmethod
+    def of(cls, rollouts: Sequence[Rollout]) -> RolloutColumns:
+        """The columns of ``rollouts`` (:meth:`joined`; a ValueError where it gives none)."""
+        cols = cls.joined(
+            [np.asarray(r.prompt_ids, dtype=np.int64) for r in rollouts],
+            [np.asarray(r.completion_ids, dtype=np.int64) for r in rollouts],
+            [r.inference_logprobs.detach().cpu().numpy() for r in rollouts],
+            [None if r.completion_mask is None else np.asarray(r.completion_mask) for r in rollouts],
+            [None if r.routing is None else r.routing.cpu().numpy() for r in rollouts],
+            [r.advantage for r in rollouts],
+        )
+        if cols is None:
+            raise ValueError(
+                "rollouts whose arrays disagree with their lengths, or routing traces that are not "
+                "every rollout's or none's"
+            )
+        return cols
 
     def __len__(self) -> int:
         return len(self.prompt_lens)
@@ -161,28 +206,14 @@ class RolloutColumns(Sequence[Rollout]):
         )
 
 
-def joined_masks(
-    masks: Sequence[Sequence[bool] | np.ndarray | None], lens: Sequence[int]
-) -> np.ndarray | None:
-    """The completion masks of rollouts joined (a rollout without one: every token the
-    model's), or None where none has one."""
-    if all(m is None for m in masks):
-        return None
-    return np.concatenate(
-        [
-            np.ones(n, dtype=bool) if m is None else np.asarray(m, dtype=bool)
-            for m, n in zip(masks, lens, strict=True)
-        ]
-    )
-
-
 def _starts(lens: np.ndarray) -> np.ndarray:
     out: np.ndarray = np.cumsum(lens) - lens
     return out
 
 
-def completion_tokens(rollouts: Sequence[Rollout]) -> int:
-    """The completion tokens of ``rollouts`` (columns: without a rollout's view each)."""
+def completion_length(rollouts: Sequence[Rollout]) -> int:
+    """The completion tokens of ``rollouts``, the environment's in a multi-turn episode
+    included (columns: without a rollout's view each)."""
     if isinstance(rollouts, RolloutColumns):
         return int(rollouts.completion_lens.sum())
     return sum(len(r.completion_ids) for r in rollouts)

@@ -193,6 +193,7 @@ class MonitorState:
         """``rollouts``: fold the tasks, generations and rollouts too (the series per
         environment and tenant, lengths, backlogs); without, only ``STEP_FACTS``."""
         self.run_id = run_id
+        self.rollouts = rollouts
         self.folded = FOLDED if rollouts else STEP_FACTS
         self.steps: deque[StepPoint] = deque(maxlen=keep_steps)
         self.config: dict[str, Any] = {}
@@ -305,7 +306,7 @@ class MonitorState:
         stale = [float(r.step - x.version_start) for x in trained]
         queued = [float(r.step + 1 - x.version_start) for x in self._queued.values()]
         inference_s = self._wait_since_step + self._busy_since_step
-        if self.folded is STEP_FACTS:  # no rollouts folded: the trainer's figures of them
+        if not self.rollouts:  # none folded: the trainer's figures of them
             reward = float(r.metrics.get("reward_mean", 0.0))
             stale_mean = float(r.metrics.get("staleness_mean", 0.0))
             stale_max = float(r.metrics.get("staleness_max", 0.0))

@@ -25,7 +25,7 @@ from jetrl.bus import events as ev
 from jetrl.bus.payloads import Payloads
 from jetrl.consumers.trainer.engine import StreamingEngine, TrainEngine, make_train_engine
 from jetrl.consumers.trainer.settings import TrainerPart
-from jetrl.policy.columns import RolloutColumns, joined_masks
+from jetrl.policy.columns import RolloutColumns
 from jetrl.policy.loss import group_advantages
 from jetrl.policy.train import Rollout
 
@@ -145,7 +145,14 @@ class TrainCore:
             fresh = await self.read_many(unread, payloads)
             read = {**read, **dict(zip([v.rollout_id for v in unread], fresh, strict=True))}
         got = [read[v.rollout_id] for v in views]
-        cols = _columns(got, adv)
+        cols = RolloutColumns.joined(
+            [a.prompt for a in got],
+            [a.completion for a in got],
+            [a.logprobs for a in got],
+            [a.mask for a in got],
+            [a.trace for a in got],
+            adv,
+        )
         if cols is not None:
             return cols
         logprobs = _tensors([a.logprobs for a in got])
@@ -249,40 +256,6 @@ class TrainCore:
                 f"{path}: weights checksum {digest} does not match the recorded {meta['weights_checksum']}"
             )
         return Checkpoint(int(meta["version"]), digest, int(meta["log_seq"]), path)
-
-
-def _columns(got: Sequence[RolloutArrays], adv: list[float]) -> RolloutColumns | None:
-    """The rollouts' arrays joined into columns; None where one of them disagrees with its
-    lengths (a logprob, mask or trace row too many or too few, an array not 1-D, routing traces
-    some rollouts' only, traces of unlike shapes)."""
-    n = len(got)
-    if not n or any(a.prompt.ndim != 1 or a.completion.ndim != 1 or a.logprobs.ndim != 1 for a in got):
-        return None
-    plen = np.fromiter((len(a.prompt) for a in got), np.int64, n)
-    clen = np.fromiter((len(a.completion) for a in got), np.int64, n)
-    if (np.fromiter((len(a.logprobs) for a in got), np.int64, n) != clen).any():
-        return None
-    masks = [a.mask for a in got]
-    if any(m is not None and (m.ndim != 1 or len(m) != c) for m, c in zip(masks, clen.tolist(), strict=True)):
-        return None
-    traces = [a.trace for a in got if a.trace is not None]  # not `None in`: it compares arrays
-    routing = None
-    if traces:
-        if len(traces) < n or len({t.shape[1:] for t in traces}) != 1:
-            return None
-        if (np.fromiter((len(t) for t in traces), np.int64, n) != plen + clen - 1).any():
-            return None
-        routing = torch.from_numpy(np.concatenate(traces).astype(np.int64, copy=False))
-    return RolloutColumns(
-        prompt_lens=plen,
-        completion_lens=clen,
-        prompts=np.concatenate([a.prompt for a in got]).astype(np.int64, copy=False),
-        completions=np.concatenate([a.completion for a in got]).astype(np.int64, copy=False),
-        inference_logprobs=torch.from_numpy(np.concatenate([a.logprobs for a in got])),
-        advantages=adv,
-        routing=routing,
-        completion_mask=joined_masks(masks, clen.tolist()),
-    )
 
 
 def _tensors(arrays: Sequence[np.ndarray], dtype: type[np.generic] | None = None) -> list[torch.Tensor]:

@@ -72,7 +72,7 @@ from jetrl.consumers.trainer.groups import (
 from jetrl.consumers.trainer.replay import Replayer, ReplayError, read_rollouts, read_run_log, trained_seqs
 from jetrl.consumers.trainer.settings import TrainerPart
 from jetrl.consumers.trainer.withholding import ScoredDelivery, rollout_consumer_spec, withheld_event
-from jetrl.policy.columns import completion_tokens
+from jetrl.policy.columns import completion_length
 from jetrl.policy.origin import model_config_of
 from jetrl.policy.train import Rollout
 from jetrl.policy.weights import ExportedWeights
@@ -374,7 +374,7 @@ class Trainer:
         token_stats = await self.token_stats(self.version)
         step = self.version
         self.version += 1
-        tokens = u.tokens + completion_tokens(rollouts)
+        tokens = u.tokens + completion_length(rollouts)
         parts: dict[str, list[float]] = {}
         for m in members:
             for k, v in m.rollout.reward_parts.items():
@@ -440,7 +440,7 @@ class Trainer:
         t0 = time.perf_counter()
         rollouts = await self.inputs(groups)
         await asyncio.to_thread(self.core.accumulate, rollouts)
-        tokens = completion_tokens(rollouts)
+        tokens = completion_length(rollouts)
         self.under_way.add(groups, tokens, wait_s, read_s, time.perf_counter() - t0)
 
     async def inputs(self, groups: list[Group]) -> Sequence[Rollout]:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from jetrl.policy.columns import RolloutColumns, completion_tokens
+from jetrl.policy.columns import RolloutColumns, completion_length
 from jetrl.policy.models import ModelConfig, get_config
 from jetrl.policy.packing import collate_for
 from jetrl.policy.routing import TraceError
@@ -50,7 +50,7 @@ def test_columns_collate_to_the_lists_batch_and_index_to_its_rollouts(
     want, want_layout = collate_for(rolls, cfg)
     _same(batch, want)
     assert layout == want_layout
-    assert completion_tokens(cols) == completion_tokens(rolls) == sum(len(r.completion_ids) for r in rolls)
+    assert completion_length(cols) == completion_length(rolls) == sum(len(r.completion_ids) for r in rolls)
     assert len(cols) == len(rolls)
     for got, r in zip(cols, rolls, strict=True):
         assert list(got.prompt_ids) == list(r.prompt_ids)
