@@ -79,8 +79,8 @@ static: $(STAMP)
 # servers and subprocesses starting, so one worker a core left a 2-core machine idle part of the
 # time (pytest 12 min 29 s with 2 workers against 9 min 56 s with 3, one AVX-512 Xeon, same code;
 # on such a Xeon 2026-12-05, 8 min 1 s with 4 against 7 min 52 s with 3: the cores were full;
-# on a 2-core AVX2 Xeon 2026-12-07, 14 min 36 s with 4, 1% of the cores idle, against 14 min 14 s
-# and 16 min 16 s with 3).
+# on a 2-core AVX2 Xeon 2026-12-07, 14 min 36 s with 4 (the SmolLM2 module apart from the other
+# vLLM ones), 1% of the cores idle, against 14 min 14 s and 16 min 16 s with 3).
 # tests/conftest.py says which tests share a worker and which go first.
 TEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
 test: $(STAMP) $(VLLM_STAMP) browser smollm2 static
