@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from jetrl.policy.models import ModelConfig
-from jetrl.policy.train import Rollout, TrainBatch, _offsets, _rows, collate
+from jetrl.policy.train import Rollout, TrainBatch, collate, experts_fit, padded_batch
 
 
 class RolloutColumns(Sequence[Rollout]):
@@ -223,50 +223,32 @@ def collate_columns(cols: RolloutColumns, model_cfg: ModelConfig, *, pad_id: int
     """:func:`~jetrl.policy.train.collate` of the rollouts ``cols`` holds: the same batch, the
     same checks. Whatever fails a check goes through ``collate`` rollout by rollout, so the
     error names the rollout and says what is wrong exactly as there."""
-    b = len(cols)
-    if not b or not _fits(cols, model_cfg):
+    if not len(cols) or not _fits(cols, model_cfg):
         return collate(list(cols), model_cfg, pad_id=pad_id)
-    plen, clen = cols.prompt_lens, cols.completion_lens
-    lens = plen + clen
-    width = int(lens.max())
-    ids = np.full((b, width), pad_id, dtype=np.int64)
-    ids[_rows(plen), _offsets(plen)] = cols.prompts
-    ids[_rows(clen), _offsets(clen) + np.repeat(plen, clen)] = cols.completions
-    # Completion token j of a rollout with P prompt tokens is predicted at position P - 1 + j.
-    crow, ccol = _rows(clen), _offsets(clen) + np.repeat(plen - 1, clen)
-    mask = np.zeros((b, width - 1), dtype=bool)
-    mask[crow, ccol] = True if cols.completion_mask is None else cols.completion_mask
-    inf_lp = np.zeros((b, width - 1), dtype=np.float32)
-    inf_lp[crow, ccol] = cols.inference_logprobs.detach().float().cpu().numpy()
-    adv = torch.tensor([float(a) for a in cols.advantages], dtype=torch.float32)
-    routing = None
-    if cols.routing is not None:
-        k = model_cfg.top_k
-        # Padding rows route to experts 0..top_k-1, as pad_traces does (policy/routing.py).
-        routing = torch.arange(k, dtype=torch.long).expand(b, width - 1, model_cfg.num_moe_layers, k).clone()
-        routing[torch.from_numpy(_rows(lens - 1)), torch.from_numpy(_offsets(lens - 1))] = cols.routing.long()
-    return TrainBatch(torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(inf_lp), adv, routing)
+    return padded_batch(
+        cols.prompt_lens,
+        cols.completion_lens,
+        cols.prompts,
+        cols.completions,
+        True if cols.completion_mask is None else cols.completion_mask,
+        cols.inference_logprobs,
+        cols.advantages,
+        cols.routing,
+        model_cfg,
+        pad_id=pad_id,
+    )
 
 
 def _fits(cols: RolloutColumns, cfg: ModelConfig) -> bool:
-    """Whether ``collate`` would take these rollouts without an error: every rollout at least
-    one prompt and one completion token, every token id in the vocabulary, and routing traces
-    (on an MoE model only) of ``[moe_layers, top_k]`` distinct expert ids below
-    ``num_experts`` per row. The columns' own lengths are checked when they are made."""
+    """Whether ``collate`` would take these rollouts' lengths and traces: every rollout at least
+    one prompt and one completion token, and routing traces (on an MoE model only) of
+    ``[moe_layers, top_k]`` distinct expert ids below ``num_experts`` per row. The columns' own
+    lengths are checked when they are made, the token ids by :func:`padded_batch`."""
     if int(cols.prompt_lens.min()) < 1 or int(cols.completion_lens.min()) < 1:
         return False
-    for tokens in (cols.prompts, cols.completions):
-        if int(tokens.min()) < 0 or int(tokens.max()) >= cfg.vocab_size:
-            return False
     t = cols.routing
     if t is None:
         return True
     if not cfg.is_moe or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         return False
-    if tuple(t.shape[1:]) != (cfg.num_moe_layers, cfg.top_k):
-        return False
-    ids = t.long()
-    if int(ids.min()) < 0 or int(ids.max()) >= cfg.num_experts:
-        return False
-    srt = ids.sort(dim=-1).values
-    return not bool((srt[..., 1:] == srt[..., :-1]).any())
+    return tuple(t.shape[1:]) == (cfg.num_moe_layers, cfg.top_k) and experts_fit(t.long(), cfg)

@@ -117,7 +117,12 @@ def _traces_fit(traces: list[torch.Tensor], rollouts: Sequence[Rollout], cfg: Mo
             return False
         if tuple(t.shape) != (rows, cfg.num_moe_layers, cfg.top_k):
             return False
-    ids = torch.cat([t.long() for t in traces])
+    return experts_fit(torch.cat([t.long() for t in traces]), cfg)
+
+
+def experts_fit(ids: torch.Tensor, cfg: ModelConfig) -> bool:
+    """Whether each row of ``ids`` (``[..., top_k]``, integers) names distinct experts below
+    ``num_experts``."""
     if not ids.numel():
         return True
     if int(ids.min()) < 0 or int(ids.max()) >= cfg.num_experts:
@@ -131,38 +136,62 @@ def collate(rollouts: Sequence[Rollout], model_cfg: ModelConfig, *, pad_id: int 
     with one scatter per tensor, not per rollout: a step holds hundreds of short rollouts."""
     has_traces = check_rollouts(rollouts, model_cfg)
     b = len(rollouts)
-    plen = np.fromiter((len(r.prompt_ids) for r in rollouts), np.int64, b)
-    clen = np.fromiter((len(r.completion_ids) for r in rollouts), np.int64, b)
+    return padded_batch(
+        np.fromiter((len(r.prompt_ids) for r in rollouts), np.int64, b),
+        np.fromiter((len(r.completion_ids) for r in rollouts), np.int64, b),
+        np.concatenate([np.asarray(r.prompt_ids, dtype=np.int64).reshape(-1) for r in rollouts]),
+        np.concatenate([np.asarray(r.completion_ids, dtype=np.int64).reshape(-1) for r in rollouts]),
+        np.concatenate([_model_tokens(r) for r in rollouts]),
+        # One conversion of the joined tensors, not one per rollout (each op costs a dispatch).
+        torch.cat([r.inference_logprobs.detach() for r in rollouts]),
+        [r.advantage for r in rollouts],
+        torch.cat([r.routing for r in rollouts if r.routing is not None]) if has_traces else None,
+        model_cfg,
+        pad_id=pad_id,
+    )
+
+
+def padded_batch(
+    prompt_lens: np.ndarray,
+    completion_lens: np.ndarray,
+    prompts: np.ndarray,
+    completions: np.ndarray,
+    model_tokens: np.ndarray | bool,
+    logprobs: torch.Tensor,
+    advantages: Sequence[float],
+    routing: torch.Tensor | None,
+    model_cfg: ModelConfig,
+    *,
+    pad_id: int = 0,
+) -> TrainBatch:
+    """The right-padded batch of rollouts given as joined columns (each field of every rollout
+    end to end, cut by the lengths; ``model_tokens``, ``logprobs``: each completion token's,
+    True for all; ``routing``: each rollout's ``P + C - 1`` trace rows), lengths and traces
+    already checked. The token ids are checked here."""
+    for tokens in (prompts, completions):
+        if int(tokens.max()) >= model_cfg.vocab_size or int(tokens.min()) < 0:
+            raise ValueError(f"token ids must lie in [0, {model_cfg.vocab_size})")
+    b = len(prompt_lens)
+    plen, clen = prompt_lens, completion_lens
     lens = plen + clen
     width = int(lens.max())
-    tokens = np.concatenate(
-        [
-            np.asarray(x, dtype=np.int64).reshape(-1)
-            for r in rollouts
-            for x in (r.prompt_ids, r.completion_ids)
-        ]
-    )
-    if int(tokens.max()) >= model_cfg.vocab_size or int(tokens.min()) < 0:
-        raise ValueError(f"token ids must lie in [0, {model_cfg.vocab_size})")
     ids = np.full((b, width), pad_id, dtype=np.int64)
-    ids[_rows(lens), _offsets(lens)] = tokens
+    ids[_rows(plen), _offsets(plen)] = prompts
+    ids[_rows(clen), _offsets(clen) + np.repeat(plen, clen)] = completions
     # Completion token j of a rollout with P prompt tokens is predicted at position P - 1 + j.
     crow, ccol = _rows(clen), _offsets(clen) + np.repeat(plen - 1, clen)
     mask = np.zeros((b, width - 1), dtype=bool)
-    mask[crow, ccol] = np.concatenate([_model_tokens(r) for r in rollouts])
+    mask[crow, ccol] = model_tokens
     inf_lp = np.zeros((b, width - 1), dtype=np.float32)
-    # One conversion of the joined tensors, not one per rollout (each op costs a dispatch).
-    inf_lp[crow, ccol] = torch.cat([r.inference_logprobs.detach() for r in rollouts]).float().cpu().numpy()
-    adv = torch.tensor([float(r.advantage) for r in rollouts], dtype=torch.float32)
-    routing = None
-    if has_traces:
-        flat = torch.cat([r.routing for r in rollouts if r.routing is not None]).long()
+    inf_lp[crow, ccol] = logprobs.detach().float().cpu().numpy()
+    adv = torch.tensor([float(a) for a in advantages], dtype=torch.float32)
+    full = None
+    if routing is not None:
         k = model_cfg.top_k
         # Padding rows route to experts 0..top_k-1, as pad_traces does (policy/routing.py).
         full = torch.arange(k, dtype=torch.long).expand(b, width - 1, model_cfg.num_moe_layers, k).clone()
-        full[torch.from_numpy(_rows(lens - 1)), torch.from_numpy(_offsets(lens - 1))] = flat
-        routing = full
-    return TrainBatch(torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(inf_lp), adv, routing)
+        full[torch.from_numpy(_rows(lens - 1)), torch.from_numpy(_offsets(lens - 1))] = routing.long()
+    return TrainBatch(torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(inf_lp), adv, full)
 
 
 def _model_tokens(r: Rollout) -> np.ndarray:
