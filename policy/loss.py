@@ -20,7 +20,11 @@ as PPO's clip does against the policy that sampled the rollout (``[0.125, 1 + ep
 ``A >= 0``, ``[1 - eps, 8]`` for ``A < 0``): the gradient of ``-min(r * A, clip(r) * A)``,
 whose clipped side is constant. A rollout sampled a version or more ago then stops pushing a
 token its own policy already moved past the bound, which is what keeps asynchronous training
-as sample-efficient as on-policy training (docs/policy.md, "Off-policy steps").
+as sample-efficient as on-policy training (docs/policy.md, "Off-policy steps"). ``dual_clip``
+lowers the ``A < 0`` side's 8 (dual-clip PPO, Ye et al. 2020: a stale sample with a large
+negative advantage whose token the policy has since made far likelier pushes with weight ``r``,
+unbounded in PPO's objective); the trainer's default, 3, is what keeps a stale run at its
+reward after it reaches it (docs/policy.md).
 """
 
 from __future__ import annotations
@@ -56,17 +60,31 @@ class LossConfig:
             raise ValueError("entropy_coef must be >= 0")
 
     @classmethod
-    def clipped(cls, eps: float, *, kl_coef: float = 1e-3, entropy_coef: float = 0.0) -> LossConfig:
-        """PPO's clip of the ratio to ``[1 - eps, 1 + eps]`` against the behaviour policy, on
-        the side its advantage pushes (0: off, only the mismatch mask)."""
+    def clipped(
+        cls,
+        eps: float,
+        *,
+        eps_high: float | None = None,
+        dual_clip: float = MISMATCH_BOUNDS[1],
+        kl_coef: float = 1e-3,
+        entropy_coef: float = 0.0,
+    ) -> LossConfig:
+        """PPO's clip of the ratio to ``[1 - eps, 1 + eps_high]`` (``eps_high`` None: ``eps``)
+        against the behaviour policy, on the side its advantage pushes (``eps`` 0: off, only the
+        mismatch mask), and dual-clip PPO's bound ``dual_clip`` on how far above 1 the ratio of
+        a token with a negative advantage may be and still push (within the mismatch mask's 8)."""
         low, high = MISMATCH_BOUNDS
         if not 0 <= eps < 1:
             raise ValueError(f"the ratio clip must lie in [0, 1), got {eps}")
+        if eps_high is not None and eps_high < 0:
+            raise ValueError(f"the ratio clip's upper side must be >= 0, got {eps_high}")
+        if not 1 <= dual_clip <= high:
+            raise ValueError(f"the dual clip must lie in [1, {high:g}], got {dual_clip}")
         if eps == 0:
-            return cls(kl_coef=kl_coef, entropy_coef=entropy_coef)
+            return cls(ratio_bounds_neg=(low, dual_clip), kl_coef=kl_coef, entropy_coef=entropy_coef)
         return cls(
-            ratio_bounds_pos=(low, 1.0 + eps),
-            ratio_bounds_neg=(1.0 - eps, high),
+            ratio_bounds_pos=(low, 1.0 + (eps if eps_high is None else eps_high)),
+            ratio_bounds_neg=(1.0 - eps, dual_clip),
             kl_coef=kl_coef,
             entropy_coef=entropy_coef,
         )

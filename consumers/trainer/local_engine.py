@@ -12,7 +12,6 @@ from typing import Any
 import torch
 
 from jetrl.consumers.trainer.settings import TrainerPart
-from jetrl.policy.loss import LossConfig
 from jetrl.policy.origin import initial_model, model_config_of
 from jetrl.policy.packing import collate_for
 from jetrl.policy.train import (
@@ -36,7 +35,7 @@ class LocalTrainEngine:
         self.mcfg = model_config_of(part.model)
         self.model = initial_model(part.model, seed=part.seed)
         self.optimizer = make_optimizer(self.model, lr=s.lr, weight_decay=s.weight_decay)
-        self.loss_cfg = LossConfig.clipped(s.ratio_clip, kl_coef=s.kl_coef, entropy_coef=s.entropy_coef)
+        self.loss_cfg = s.loss_config()
         self.replay = s.replay and self.mcfg.is_moe
         self.last_token_stats: torch.Tensor | None = None
         self.accumulator = StepAccumulator(

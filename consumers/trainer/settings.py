@@ -3,13 +3,16 @@ process is handed (that section, the model, and the run-wide values it needs). T
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, model_validator
 
 from jetrl.bus.settings import MAX_OFF_POLICY_STEPS, BusSettings, EnvRoute, Section, TenantSettings
 from jetrl.plugins import TRAIN_ENGINES
 from jetrl.policy.settings import ModelSettings
+
+if TYPE_CHECKING:
+    from jetrl.policy.loss import LossConfig
 
 
 class ParallelismSettings(Section):
@@ -91,6 +94,14 @@ class TrainerSettings(Section):
     # (docs/policy.md); 0: off, only the train/inference mismatch mask. Part of the maths: a run
     # replays with its own.
     ratio_clip: float = Field(0.2, ge=0, lt=1)
+    # The clip's upper side for tokens with a positive advantage, where it differs (DAPO's
+    # "clip-higher"); None: ratio_clip.
+    ratio_clip_high: float | None = Field(None, ge=0)
+    # Dual-clip PPO: a token with a negative advantage whose ratio has risen past this since its
+    # rollout was sampled gets no more push (8: only the mismatch mask). A stale run trained past
+    # its target keeps its reward with 3 where it lost it with 8 (docs/policy.md). Part of the
+    # maths: a run recorded before it replays with 8 (deploy/config.py LEGACY_TRAINER).
+    dual_clip: float = Field(3.0, ge=1, le=8)
     entropy_coef: float = Field(0.0, ge=0)
     std_scale_advantages: bool = False
     max_grad_norm: float = 1.0
@@ -112,6 +123,18 @@ class TrainerSettings(Section):
     # positions kept within each, policy/packing.py), so a step of mixed lengths pads little.
     # 0: one rollout per right-padded row. Part of the maths: a run replays with its own.
     pack_tokens: int = Field(0, ge=0)
+
+    def loss_config(self) -> LossConfig:
+        """The loss these settings make (the engines' one way to it)."""
+        from jetrl.policy.loss import LossConfig
+
+        return LossConfig.clipped(
+            self.ratio_clip,
+            eps_high=self.ratio_clip_high,
+            dual_clip=self.dual_clip,
+            kl_coef=self.kl_coef,
+            entropy_coef=self.entropy_coef,
+        )
 
     @property
     def engine_name(self) -> str:

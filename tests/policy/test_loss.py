@@ -135,3 +135,36 @@ def test_gap_metric_and_shape_errors():
         rl_loss(lp, ilp[:, :1], torch.ones(1), torch.ones(1, 2, dtype=torch.bool))
     with pytest.raises(ValueError):
         LossConfig(ratio_bounds_pos=(1.5, 2.0))
+
+
+def test_clipped_sets_the_clip_the_clip_higher_and_the_dual_clip():
+    low, high = 0.125, 8.0  # the mismatch mask's bounds
+    plain = LossConfig.clipped(0.2)
+    assert (plain.ratio_bounds_pos, plain.ratio_bounds_neg) == ((low, 1.2), (0.8, high))
+    both = LossConfig.clipped(0.2, eps_high=0.28, dual_clip=3.0)
+    assert (both.ratio_bounds_pos, both.ratio_bounds_neg) == ((low, 1.28), (0.8, 3.0))
+    # Without the clip only the mismatch mask stays, and the dual clip still bounds A < 0.
+    off = LossConfig.clipped(0.0, dual_clip=3.0)
+    assert (off.ratio_bounds_pos, off.ratio_bounds_neg) == ((low, high), (low, 3.0))
+    for bad in ({"dual_clip": 0.9}, {"dual_clip": 9.0}, {"eps_high": -0.1}):
+        with pytest.raises(ValueError):
+            LossConfig.clipped(0.2, **bad)
+
+
+def test_the_dual_clip_stops_a_stale_negative_token_the_policy_made_likelier():
+    # Ratios of 2 and 5 on tokens with a negative advantage: PPO pushes both down with weight r;
+    # the dual clip at 3 keeps the first and drops the second.
+    ilp = torch.zeros(1, 2, dtype=torch.float64)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    adv = torch.tensor([-1.0], dtype=torch.float64)
+    grads = {}
+    for dual in (8.0, 3.0):
+        lp = torch.tensor([[2.0, 5.0]], dtype=torch.float64).log().requires_grad_(True)
+        loss, m = rl_loss(lp, ilp, adv, mask, LossConfig.clipped(0.2, dual_clip=dual, kl_coef=0.0))
+        loss.backward()
+        assert lp.grad is not None
+        grads[dual] = lp.grad[0].tolist()
+        assert m["masked_frac"] == (0.5 if dual == 3.0 else 0.0)
+    # d(-r * A)/d lp = -r * A, over the two loss tokens.
+    assert grads[8.0] == pytest.approx([2.0 / 2, 5.0 / 2])
+    assert grads[3.0] == pytest.approx([2.0 / 2, 0.0])

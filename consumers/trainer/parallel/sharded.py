@@ -35,7 +35,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from jetrl.consumers.trainer.parallel.group import RankGroup
 from jetrl.consumers.trainer.parallel.split import split_by_tokens
 from jetrl.consumers.trainer.settings import TrainerPart
-from jetrl.policy.loss import LossConfig
 from jetrl.policy.models import build_model, state_dict_adapter
 from jetrl.policy.origin import initial_model, model_config_of
 from jetrl.policy.packing import PackedLayout, collate_for
@@ -120,7 +119,7 @@ class ShardedPolicy:
                 buf.copy_(_placed_like(buf, full.to(group.device)))
         del source, mine
         self.optimizer = make_optimizer(model, lr=s.lr, weight_decay=s.weight_decay)
-        self.loss_cfg = LossConfig.clipped(s.ratio_clip, kl_coef=s.kl_coef, entropy_coef=s.entropy_coef)
+        self.loss_cfg = s.loss_config()
         self.replay = s.replay and self.mcfg.is_moe
         self.last_token_stats: torch.Tensor | None = None
         # Names and per-expert tensors of Hugging Face's layout, one tensor at a time (a meta
