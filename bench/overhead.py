@@ -127,6 +127,7 @@ def one_process(
     sample_seed: int | None = None,
     on_step: Callable[[torch.Tensor, dict[str, float]], None] | None = None,
     phase_cpu: dict[str, float] | None = None,
+    hold: bool = False,
 ) -> tuple[float | None, int]:
     """Seconds to the reward target (None if not reached) and the steps taken. ``lag``: each
     batch sampled by the version ``lag`` steps old (bench/offpolicy.py), not the newest;
@@ -134,7 +135,8 @@ def one_process(
     seed, where it is not the run's (the model's init stays the run seed's: bench/stall.py);
     ``on_step``: called with each step's rewards ``[groups, group_size]`` and its metrics;
     ``phase_cpu``: this thread's CPU seconds in sampling and in the train call, added up under
-    "sample" and "train" (all of a phase's CPU on one torch thread: bench/step_time.py)."""
+    "sample" and "train" (all of a phase's CPU on one torch thread: bench/step_time.py);
+    ``hold``: train on to ``max_steps`` past the target (the figures are still the target's)."""
     t0 = time.perf_counter()
     loop = loop_parts(cfg, root, threads)
     model = loop.engine.model
@@ -144,6 +146,7 @@ def one_process(
     target = cfg.trainer.stop_at_reward
     # The last lag + 1 versions' weights: version s - lag samples step s.
     versions: deque[dict[str, torch.Tensor]] = deque(maxlen=lag + 1)
+    reached: tuple[float, int] | None = None
     for step in range(cfg.trainer.max_steps):
         if lag:
             versions.append(copy.deepcopy(model.state_dict()))
@@ -161,9 +164,12 @@ def one_process(
         window.append(float(rewards.mean()))
         if curve is not None:
             curve.append(window[-1])
-        if target is not None and len(window) == window.maxlen and sum(window) / len(window) >= target:
-            return time.perf_counter() - t0, step + 1
-    return None, cfg.trainer.max_steps
+        full = target is not None and len(window) == window.maxlen
+        if reached is None and full and sum(window) / len(window) >= (target or 0.0):
+            reached = time.perf_counter() - t0, step + 1
+            if not hold:
+                return reached
+    return reached or (None, cfg.trainer.max_steps)
 
 
 def with_jetrl(cfg: RunConfig, url: str, root: Path, run_id: str) -> tuple[float | None, int]:
