@@ -11,8 +11,8 @@ staleness 0 and k. Each mode trains every seed to the demo's target (a 10-step m
 
 * lag 0: on-policy, the baseline (the trainer's loss settings);
 * lag k without the clip (``ratio_clip = 0``: only the train/inference mismatch mask);
-* lag k with the loss as it was before the dual clip (``dual_clip = 8``);
-* lag k with the trainer's loss settings (the ratio clip and the dual clip).
+* lag k with dual-clip PPO's bound at 3 (``dual_clip = 3``; the trainer's default is 8);
+* lag k with the trainer's loss settings (the ratio clip).
 
 ``--hold`` trains each to ``--max-steps`` whatever the target and reports, after the step that
 reached it, the mean reward and the worst 100-step mean: a policy that reaches the target and
@@ -21,7 +21,7 @@ It prints each seed's figures and the median over seeds, ends with one line per 
 figure, and draws the reward curves of one seed (``--plot``, default bench/out/offpolicy.png).
 
     python bench/offpolicy.py [--seeds 0 1 2 3 4] [--lag 1] [--max-steps 1500] [--hold]
-                              [--modes on-policy,no-clip,dual-8,default]
+                              [--modes on-policy,no-clip,dual-3,default]
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class Curve:
 MODES: dict[str, tuple[bool, list[str]]] = {
     "on-policy": (False, []),
     "no-clip": (True, ["--trainer.ratio_clip", "0"]),
-    "dual-8": (True, ["--trainer.dual_clip", "8"]),
+    "dual-3": (True, ["--trainer.dual_clip", "3"]),
     "default": (True, []),
 }
 
@@ -85,7 +85,7 @@ def label(mode: str, lag: int) -> str:
     return {
         "on-policy": "lag 0",
         "no-clip": f"lag {lag}, no clip",
-        "dual-8": f"lag {lag}, dual clip 8",
+        "dual-3": f"lag {lag}, dual clip 3",
         "default": f"lag {lag}",
     }[mode]
 
@@ -130,11 +130,11 @@ def median(xs: list[float | None]) -> float | None:
 
 
 def table(title: str, seeds: list[int], rows: dict[str, list[float | None]], fmt: str) -> None:
-    print(f"{title:<24}" + "".join(f"{'seed ' + str(s):>10}" for s in seeds) + f"{'median':>10}")
+    print(f"{title:<28}" + "".join(f"{'seed ' + str(s):>10}" for s in seeds) + f"{'median':>10}")
     for name, xs in rows.items():
         cells = "".join(f"{format(x, fmt) if x is not None else '-':>10}" for x in xs)
         m = median(xs)
-        print(f"{name:<24}{cells}{(format(m, fmt) if m is not None else '-'):>10}")
+        print(f"{name:<28}{cells}{(format(m, fmt) if m is not None else '-'):>10}")
 
 
 def main() -> None:

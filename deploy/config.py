@@ -146,20 +146,6 @@ class ConfigError(ValueError):
     pass
 
 
-# Settings of the maths added after runs were recorded without them, with the value those runs
-# trained with: a recorded config (RunStarted, RunResumed, <run dir>/config.json, each a whole
-# dump) that lacks one ran with this, so its replay and resume keep it.
-LEGACY_TRAINER: dict[str, Any] = {"dual_clip": 8.0}
-
-
-def as_recorded(config: dict[str, Any]) -> dict[str, Any]:
-    """A recorded config with the settings it predates filled in as they were then."""
-    trainer = config.get("trainer")
-    if not isinstance(trainer, dict) or not LEGACY_TRAINER.keys() - trainer.keys():
-        return config
-    return {**config, "trainer": {**LEGACY_TRAINER, **trainer}}
-
-
 def _parse_value(text: str) -> Any:
     """A TOML literal (``0.01``, ``true``, ``"x"``, ``[1, 2]``), else the bare string."""
     try:

@@ -32,7 +32,7 @@ from jetrl.bus.log import get_logger
 from jetrl.bus.runtime import connect_until, run_process
 from jetrl.bus.streams import stream_name
 from jetrl.consumers.trainer.engine import Nodes
-from jetrl.deploy.config import ConfigError, RunConfig, as_recorded
+from jetrl.deploy.config import ConfigError, RunConfig
 from jetrl.deploy.parts import KINDS, PartCommand, PartCommands
 from jetrl.store import queries
 from jetrl.store.db import Store, StoreError, open_store_read_only
@@ -76,7 +76,7 @@ async def read_run(bus: Bus, run_id: str) -> tuple[RunState, int] | None:
 
 def recorded_config(run_id: str, b: ev.RunStarted | ev.RunResumed) -> RunConfig:
     try:
-        return RunConfig.model_validate(as_recorded(b.config))
+        return RunConfig.model_validate(b.config)
     except ValidationError as exc:  # recorded by another version of jetrl, say
         raise ConfigError(f"the config run {run_id} recorded is not one this jetrl reads: {exc}") from None
 

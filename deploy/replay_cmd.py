@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from jetrl.bus.client import Bus
 from jetrl.bus.log import configure
 from jetrl.bus.payloads import Payloads
-from jetrl.deploy.config import RunConfig, as_recorded, library_versions
+from jetrl.deploy.config import RunConfig, library_versions
 from jetrl.deploy.run_log import with_run_log
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ async def replay(
         if not log.steps:
             say(f"replay: run {run_id} has no completed steps")
             return 2
-        part = RunConfig.model_validate(as_recorded(log.config)).trainer_part(run_dir)
+        part = RunConfig.model_validate(log.config).trainer_part(run_dir)
         last = log.last_step if to_step is None else min(to_step, log.last_step)
         core = TrainCore(part)
         payloads = await Payloads.for_run(bus.js, run_id, weights_dir=run_dir / "payloads")

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from jetrl.bus.log import configure
-from jetrl.deploy.config import ConfigError, as_recorded, config_for_run
+from jetrl.deploy.config import ConfigError, config_for_run
 from jetrl.deploy.run_cmd import local_parts
 from jetrl.deploy.supervisor import Supervisor
 from jetrl.deploy.tenants_cmd import tenants_dir
@@ -30,7 +30,7 @@ def main(args: argparse.Namespace) -> int:
     data = json.loads(cfg_path.read_text())
     try:
         # Only limits may change on resume (e.g. more steps); the rest must stay as recorded.
-        cfg = config_for_run(as_recorded(data), args.overrides)
+        cfg = config_for_run(data, args.overrides)
     except ConfigError as exc:
         print(f"jetrl resume: {exc}")
         return 2

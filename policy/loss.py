@@ -21,10 +21,9 @@ as PPO's clip does against the policy that sampled the rollout (``[0.125, 1 + ep
 whose clipped side is constant. A rollout sampled a version or more ago then stops pushing a
 token its own policy already moved past the bound, which is what keeps asynchronous training
 as sample-efficient as on-policy training (docs/policy.md, "Off-policy steps"). ``dual_clip``
-lowers the ``A < 0`` side's 8 (dual-clip PPO, Ye et al. 2020: a stale sample with a large
-negative advantage whose token the policy has since made far likelier pushes with weight ``r``,
-unbounded in PPO's objective); the trainer's default, 3, is what keeps a stale run at its
-reward after it reaches it (docs/policy.md).
+lowers the ``A < 0`` side's 8 (dual-clip PPO, Ye et al. 2020: a stale sample with a negative
+advantage whose token the policy has since made far likelier pushes with weight ``r``, unbounded
+in PPO's objective); ``eps_high`` sets the clip's upper side apart (DAPO's clip-higher).
 """
 
 from __future__ import annotations

@@ -98,10 +98,10 @@ class TrainerSettings(Section):
     # "clip-higher"); None: ratio_clip.
     ratio_clip_high: float | None = Field(None, ge=0)
     # Dual-clip PPO: a token with a negative advantage whose ratio has risen past this since its
-    # rollout was sampled gets no more push (8: only the mismatch mask). A stale run trained past
-    # its target keeps its reward with 3 where it lost it with 8 (docs/policy.md). Part of the
-    # maths: a run recorded before it replays with 8 (deploy/config.py LEGACY_TRAINER).
-    dual_clip: float = Field(3.0, ge=1, le=8)
+    # rollout was sampled gets no more push; 8: only the mismatch mask. 3 (the paper's) did not
+    # keep a stale run's reward past its target better than 8 (docs/policy.md, "Holding the
+    # reward"). Part of the maths: a run replays with its own.
+    dual_clip: float = Field(8.0, ge=1, le=8)
     entropy_coef: float = Field(0.0, ge=0)
     std_scale_advantages: bool = False
     max_grad_norm: float = 1.0

@@ -168,3 +168,17 @@ def test_the_dual_clip_stops_a_stale_negative_token_the_policy_made_likelier():
     # d(-r * A)/d lp = -r * A, over the two loss tokens.
     assert grads[8.0] == pytest.approx([2.0 / 2, 5.0 / 2])
     assert grads[3.0] == pytest.approx([2.0 / 2, 0.0])
+
+
+def test_the_trainers_settings_make_its_loss():
+    from pydantic import ValidationError
+
+    from jetrl.consumers.trainer.settings import TrainerSettings
+
+    default = TrainerSettings().loss_config()  # PPO's clip at 0.2, no dual clip below the mask's 8
+    assert (default.ratio_bounds_pos, default.ratio_bounds_neg) == ((0.125, 1.2), (0.8, 8.0))
+    tuned = TrainerSettings(ratio_clip_high=0.28, dual_clip=3.0, kl_coef=0.0).loss_config()
+    assert (tuned.ratio_bounds_pos, tuned.ratio_bounds_neg, tuned.kl_coef) == ((0.125, 1.28), (0.8, 3.0), 0.0)
+    for bad in ({"dual_clip": 9.0}, {"dual_clip": 0.5}, {"ratio_clip_high": -0.1}):
+        with pytest.raises(ValidationError):
+            TrainerSettings.model_validate(bad)
