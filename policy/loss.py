@@ -75,8 +75,8 @@ class LossConfig:
         low, high = MISMATCH_BOUNDS
         if not 0 <= eps < 1:
             raise ValueError(f"the ratio clip must lie in [0, 1), got {eps}")
-        if eps_high is not None and eps_high < 0:
-            raise ValueError(f"the ratio clip's upper side must be >= 0, got {eps_high}")
+        if eps_high is not None and (eps_high < 0 or eps == 0):
+            raise ValueError(f"the clip's upper side must be >= 0 beside a clip: {eps_high} with {eps}")
         if not 1 <= dual_clip <= high:
             raise ValueError(f"the dual clip must lie in [1, {high:g}], got {dual_clip}")
         if eps == 0:

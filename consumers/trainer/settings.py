@@ -142,6 +142,12 @@ class TrainerSettings(Section):
         return self.engine
 
     @model_validator(mode="after")
+    def _clip(self) -> TrainerSettings:
+        if self.ratio_clip_high is not None and self.ratio_clip == 0:
+            raise ValueError("ratio_clip_high sets the clip's upper side apart: it needs ratio_clip > 0")
+        return self
+
+    @model_validator(mode="after")
     def _engine(self) -> TrainerSettings:
         from jetrl.consumers.trainer.engine import auto_engine, train_launch
 

@@ -149,6 +149,8 @@ def test_clipped_sets_the_clip_the_clip_higher_and_the_dual_clip():
     for bad in ({"dual_clip": 0.9}, {"dual_clip": 9.0}, {"eps_high": -0.1}):
         with pytest.raises(ValueError):
             LossConfig.clipped(0.2, **bad)
+    with pytest.raises(ValueError):  # an upper side of no clip
+        LossConfig.clipped(0.0, eps_high=0.28)
 
 
 def test_the_dual_clip_stops_a_stale_negative_token_the_policy_made_likelier():
@@ -179,6 +181,11 @@ def test_the_trainers_settings_make_its_loss():
     assert (default.ratio_bounds_pos, default.ratio_bounds_neg) == ((0.125, 1.2), (0.8, 8.0))
     tuned = TrainerSettings(ratio_clip_high=0.28, dual_clip=3.0, kl_coef=0.0).loss_config()
     assert (tuned.ratio_bounds_pos, tuned.ratio_bounds_neg, tuned.kl_coef) == ((0.125, 1.28), (0.8, 3.0), 0.0)
-    for bad in ({"dual_clip": 9.0}, {"dual_clip": 0.5}, {"ratio_clip_high": -0.1}):
+    for bad in (
+        {"dual_clip": 9.0},
+        {"dual_clip": 0.5},
+        {"ratio_clip_high": -0.1},
+        {"ratio_clip": 0.0, "ratio_clip_high": 0.28},
+    ):
         with pytest.raises(ValidationError):
             TrainerSettings.model_validate(bad)
