@@ -3,6 +3,7 @@ and a held-out split that training never draws from."""
 
 from __future__ import annotations
 
+import atexit
 import functools
 import random
 import tempfile
@@ -32,8 +33,11 @@ CHAR = CharTokenizer()
 @functools.cache
 def bpe() -> HFTokenizer:
     """jetrl's Hugging Face tokenizer over a byte-level BPE trained on the spot (no download),
-    with a Qwen-style chat template (`jetrl make-hf-tiny`'s). No BOS, as Qwen's."""
-    return HFTokenizer(make_tokenizer_dir(Path(tempfile.mkdtemp(prefix="jetrl-bpe-"))))
+    with a Qwen-style chat template (`jetrl make-hf-tiny`'s). No BOS, as Qwen's. Its folder is
+    removed when the test process exits."""
+    folder = tempfile.TemporaryDirectory(prefix="jetrl-bpe-")
+    atexit.register(folder.cleanup)
+    return HFTokenizer(make_tokenizer_dir(Path(folder.name)))
 
 
 def reply(text: str, tok: Any = CHAR) -> list[int]:
