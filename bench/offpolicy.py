@@ -32,6 +32,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from overhead import LOOP_THREADS, one_process
 
@@ -72,22 +73,18 @@ class Curve:
         return worst / HOLD_WINDOW
 
 
-# name: (uses the lag, config overrides)
-MODES: dict[str, tuple[bool, list[str]]] = {
-    "on-policy": (False, []),
-    "no-clip": (True, ["--trainer.ratio_clip", "0"]),
-    "dual-3": (True, ["--trainer.dual_clip", "3"]),
-    "default": (True, []),
+class Mode(NamedTuple):
+    lagged: bool  # sampled ``--lag`` versions old, else on-policy
+    over: list[str]  # config overrides
+    label: str  # ``{lag}`` filled in
+
+
+MODES: dict[str, Mode] = {
+    "on-policy": Mode(False, [], "lag 0"),
+    "no-clip": Mode(True, ["--trainer.ratio_clip", "0"], "lag {lag}, no clip"),
+    "dual-3": Mode(True, ["--trainer.dual_clip", "3"], "lag {lag}, dual clip 3"),
+    "default": Mode(True, [], "lag {lag}"),
 }
-
-
-def label(mode: str, lag: int) -> str:
-    return {
-        "on-policy": "lag 0",
-        "no-clip": f"lag {lag}, no clip",
-        "dual-3": f"lag {lag}, dual clip 3",
-        "default": f"lag {lag}",
-    }[mode]
 
 
 def train(seed: int, lag: int, over: list[str], max_steps: int, threads: int, hold: bool) -> Curve:
@@ -151,11 +148,11 @@ def main() -> None:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if unknown := [m for m in modes if m not in MODES]:
         ap.error(f"unknown modes {unknown}: choose among {list(MODES)}")
-    names = {m: label(m, args.lag) for m in modes}
+    names = {m: MODES[m].label.format(lag=args.lag) for m in modes}
     curves: dict[str, list[Curve]] = {m: [] for m in modes}
     for seed in args.seeds:
         for m in modes:
-            lagged, over = MODES[m]
+            lagged, over, _ = MODES[m]
             t0 = time.perf_counter()
             c = train(seed, args.lag if lagged else 0, over, args.max_steps, args.threads, args.hold)
             curves[m].append(c)

@@ -164,8 +164,8 @@ def one_process(
         window.append(float(rewards.mean()))
         if curve is not None:
             curve.append(window[-1])
-        full = target is not None and len(window) == window.maxlen
-        if reached is None and full and sum(window) / len(window) >= (target or 0.0):
+        full = len(window) == window.maxlen
+        if reached is None and target is not None and full and sum(window) / len(window) >= target:
             reached = time.perf_counter() - t0, step + 1
             if not hold:
                 return reached
