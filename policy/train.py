@@ -28,6 +28,7 @@ from torch import nn
 from jetrl.policy.loss import DEFAULT_LOSS, LossConfig, rl_loss
 from jetrl.policy.models import ModelConfig, PackedMask, model_config
 from jetrl.policy.routing import TraceError, check_trace_for, replay_routing
+from jetrl.policy.schedule import LrSchedule
 
 
 @dataclass(slots=True)
@@ -329,10 +330,12 @@ def train_step(
     replay: bool = True,
     max_grad_norm: float | None = 1.0,
     token_stats: list[torch.Tensor] | None = None,
+    lr_schedule: LrSchedule | None = None,
 ) -> dict[str, float]:
     """One optimizer step over a batch (or micro-batches, normalised by their total token
-    count). Returns the metrics (token-weighted over micro-batches) plus ``grad_norm``;
-    ``token_stats`` collects each micro-batch's (see :func:`forward_backward`)."""
+    count), at ``lr_schedule``'s learning rate (None: the optimizer's). Returns the metrics
+    (token-weighted over micro-batches) plus ``grad_norm`` and ``lr``; ``token_stats``
+    collects each micro-batch's (see :func:`forward_backward`)."""
     batches = [batch] if isinstance(batch, TrainBatch) else list(batch)
     total = max(sum(b.num_tokens for b in batches), 1)
     model.train()
@@ -349,17 +352,41 @@ def train_step(
             token_stats=token_stats,
         )
         add_metrics(metrics, m, b.num_tokens / total)
-    metrics["grad_norm"] = clip_and_step(model, optimizer, max_grad_norm)
+    metrics["grad_norm"] = clip_and_step(model, optimizer, max_grad_norm, lr_schedule)
+    metrics["lr"] = optimizer.param_groups[0]["lr"]
     return metrics
 
 
-def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None) -> float:
+def clip_and_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    max_grad_norm: float | None,
+    schedule: LrSchedule | None = None,
+) -> float:
     """Clip the gradients to ``max_grad_norm`` (None or 0: no clip) and take the optimizer
-    step; returns the gradients' norm before the clip."""
+    step at the learning rate ``schedule`` gives it (None: the optimizer's as it is); returns
+    the gradients' norm before the clip."""
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm else float("inf"))
+    if schedule is not None:
+        scheduled_lr(optimizer, schedule)
     optimizer.step()
     return float(norm)
+
+
+def scheduled_lr(optimizer: torch.optim.Optimizer, schedule: LrSchedule) -> float:
+    """Set every parameter group's learning rate to the schedule's for the next step, and
+    return it. The step count is AdamW's own (``step`` in each parameter's state, saved with
+    every checkpoint and restored with it), so a resumed or replayed engine continues the
+    schedule where the run was."""
+    if schedule.constant:
+        lr = schedule.lr
+    else:
+        taken = max((int(st["step"]) for st in optimizer.state.values() if "step" in st), default=0)
+        lr = schedule.at(taken)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
 
 
 class StepAccumulator:
@@ -380,9 +407,11 @@ class StepAccumulator:
         temperature: float = 1.0,
         replay: bool = True,
         max_grad_norm: float | None = 1.0,
+        lr_schedule: LrSchedule | None = None,
     ) -> None:
         self.model, self.optimizer, self.loss_cfg = model, optimizer, loss_cfg
         self.temperature, self.replay, self.max_grad_norm = temperature, replay, max_grad_norm
+        self.lr_schedule = lr_schedule
         self._parts: list[tuple[dict[str, float], int]] = []
 
     def add(self, batch: TrainBatch, token_stats: list[torch.Tensor] | None = None) -> None:
@@ -416,7 +445,8 @@ class StepAccumulator:
             # Loss terms were summed over the tokens (normaliser 1): the step's share of each.
             scaled = {k: v / total if k in ("loss", "pg_loss", "kl") else v for k, v in m.items()}
             add_metrics(metrics, scaled, n / total)
-        metrics["grad_norm"] = clip_and_step(self.model, self.optimizer, self.max_grad_norm)
+        metrics["grad_norm"] = clip_and_step(self.model, self.optimizer, self.max_grad_norm, self.lr_schedule)
+        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         return metrics
 
 

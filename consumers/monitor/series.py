@@ -31,6 +31,7 @@ TRAINER_METRICS = (
     "entropy",
     "masked_frac",
     "grad_norm",
+    "lr",  # the step's learning rate ([trainer] lr and its schedule)
     "trainer_idle_frac",
     "trainer_wait_s",  # waiting for a batch of fresh groups
     "trainer_read_s",  # reading and checking the batch's arrays

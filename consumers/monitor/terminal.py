@@ -31,6 +31,7 @@ ROWS: tuple[tuple[str, str, str], ...] = (
     ("entropy", "trainer/entropy", "{:.3f}"),
     ("masked share", "trainer/masked_frac", "{:.3f}"),
     ("grad norm", "trainer/grad_norm", "{:.3f}"),
+    ("learning rate", "trainer/lr", "{:.2e}"),
     ("staleness (trained)", "staleness/mean", "{:.2f}"),
     ("staleness max", "staleness/max", "{:.0f}"),
     ("staleness (queued)", "staleness/queued_mean", "{:.2f}"),

@@ -36,6 +36,7 @@ class LocalTrainEngine:
         self.model = initial_model(part.model, seed=part.seed)
         self.optimizer = make_optimizer(self.model, lr=s.lr, weight_decay=s.weight_decay)
         self.loss_cfg = s.loss_config()
+        self.lr_schedule = s.lr_schedule()
         self.replay = s.replay and self.mcfg.is_moe
         self.last_token_stats: torch.Tensor | None = None
         self.accumulator = StepAccumulator(
@@ -45,6 +46,7 @@ class LocalTrainEngine:
             temperature=self.temperature,
             replay=self.replay,
             max_grad_norm=s.max_grad_norm,
+            lr_schedule=self.lr_schedule,
         )
         self._accumulated_stats: list[torch.Tensor] = []
 
@@ -66,6 +68,7 @@ class LocalTrainEngine:
             max_grad_norm=self.s.max_grad_norm,
             temperature=self.temperature,
             token_stats=stats,
+            lr_schedule=self.lr_schedule,
         )
         self.last_token_stats = layout.completions(stats[0])
         return metrics

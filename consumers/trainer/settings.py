@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 
 from jetrl.bus.settings import MAX_OFF_POLICY_STEPS, BusSettings, EnvRoute, Section, TenantSettings
 from jetrl.plugins import TRAIN_ENGINES
+from jetrl.policy.schedule import Decay, LrSchedule
 from jetrl.policy.settings import ModelSettings
 
 if TYPE_CHECKING:
@@ -72,6 +73,14 @@ class TrainerSettings(Section):
     parallelism: ParallelismSettings = ParallelismSettings()
     lr: float = 5e-4
     weight_decay: float = 0.0
+    # The learning rate through the run (policy/schedule.py): rising linearly over the first
+    # lr_warmup_steps optimizer steps, then lr_decay ("linear" or "cosine") over lr_decay_steps
+    # (None: the rest of max_steps) down to lr * lr_min_ratio. Part of the maths: a run replays
+    # with its own; the schedule's clock is AdamW's step count, which checkpoints keep.
+    lr_warmup_steps: int = Field(0, ge=0)
+    lr_decay: Decay = "constant"
+    lr_decay_steps: int | None = Field(None, ge=1)
+    lr_min_ratio: float = Field(0.0, ge=0, le=1)
     batch_groups: int = Field(8, ge=1)  # groups per optimizer step
     max_off_policy_steps: int = Field(MAX_OFF_POLICY_STEPS, ge=0)
     max_steps: int = Field(1000, ge=1)
@@ -136,6 +145,13 @@ class TrainerSettings(Section):
             entropy_coef=self.entropy_coef,
         )
 
+    def lr_schedule(self) -> LrSchedule:
+        """The learning rate's schedule these settings make (the engines' one way to it)."""
+        if self.lr_decay == "constant":
+            return LrSchedule(self.lr, self.lr_warmup_steps)
+        steps = self.lr_decay_steps or max(self.max_steps - self.lr_warmup_steps, 1)
+        return LrSchedule(self.lr, self.lr_warmup_steps, self.lr_decay, steps, self.lr_min_ratio)
+
     @property
     def engine_name(self) -> str:
         """The train engine (``auto`` is resolved as the settings are validated)."""
@@ -145,6 +161,12 @@ class TrainerSettings(Section):
     def _clip(self) -> TrainerSettings:
         if self.ratio_clip_high is not None and self.ratio_clip == 0:
             raise ValueError("ratio_clip_high sets the clip's upper side apart: it needs ratio_clip > 0")
+        return self
+
+    @model_validator(mode="after")
+    def _lr_decay(self) -> TrainerSettings:
+        if self.lr_decay == "constant" and (self.lr_decay_steps is not None or self.lr_min_ratio):
+            raise ValueError("lr_decay_steps and lr_min_ratio shape a decay: set lr_decay (linear, cosine)")
         return self
 
     @model_validator(mode="after")

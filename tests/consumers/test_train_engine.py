@@ -129,3 +129,26 @@ def test_an_engine_that_cannot_accumulate_refuses_a_streaming_trainer() -> None:
     auto = settings.model_copy(update={"stream_groups": "auto"})
     assert not TrainCore(PART.model_copy(update={"trainer": auto})).can_stream
     assert TrainCore(PART).can_stream
+
+
+def test_a_scheduled_engine_steps_at_its_schedule_s_rate_and_resumes_on_it(tmp_path: Path) -> None:
+    settings = TrainerSettings(
+        lr=1e-2, lr_warmup_steps=2, lr_decay="cosine", lr_decay_steps=3, lr_min_ratio=0.1
+    )
+    part = PART.model_copy(update={"trainer": settings})
+    schedule = settings.lr_schedule()
+    a = make_train_engine(part)
+    assert isinstance(a, LocalTrainEngine)
+    rollouts = rollouts_from(a.model)
+    assert [a.step(rollouts)["lr"] for _ in range(3)] == [schedule.at(n) for n in range(3)]
+    a.save_state(tmp_path)
+    b = make_train_engine(part)
+    b.load_state(tmp_path)
+    # The resumed engine is where the run was on its schedule, and steps as it would have.
+    assert b.step(rollouts)["lr"] == a.step(rollouts)["lr"] == schedule.at(3) < 1e-2
+    assert b.checksum() == a.checksum()
+    # A streaming step takes the same rate; past the decay, the floor.
+    a.accumulate(rollouts[:2])
+    a.accumulate(rollouts[2:])
+    assert a.finish_step()["lr"] == schedule.at(4) > 1e-3
+    assert a.step(rollouts)["lr"] == a.step(rollouts)["lr"] == pytest.approx(1e-3)

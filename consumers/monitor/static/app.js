@@ -307,7 +307,15 @@
         ];
       },
     },
-    { id: "chart-loss", title: "Loss", series: () => [{ key: "trainer/loss", name: "loss" }] },
+    {
+      id: "chart-loss",
+      title: "Loss and learning rate",
+      y2: "learning rate",
+      series: () => [
+        { key: "trainer/loss", name: "loss" },
+        { key: "trainer/lr", name: "learning rate", y2: true, dash: "dot" },
+      ],
+    },
     {
       id: "chart-kl",
       title: "Train / inference mismatch KL",

@@ -54,6 +54,7 @@ from jetrl.policy.train import (
     compute_logprobs,
     forward_backward,
     make_optimizer,
+    scheduled_lr,
     set_deterministic,
 )
 from jetrl.policy.weights import META_LAYOUT, ExportedWeights, Hasher, SafetensorsBuffer, canonical_order
@@ -120,6 +121,7 @@ class ShardedPolicy:
         del source, mine
         self.optimizer = make_optimizer(model, lr=s.lr, weight_decay=s.weight_decay)
         self.loss_cfg = s.loss_config()
+        self.lr_schedule = s.lr_schedule()
         self.replay = s.replay and self.mcfg.is_moe
         self.last_token_stats: torch.Tensor | None = None
         # Names and per-expert tensors of Hugging Face's layout, one tensor at a time (a meta
@@ -179,6 +181,7 @@ class ShardedPolicy:
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.s.max_grad_norm if self.s.max_grad_norm else math.inf
         norm = clip_grad_norm_(params, max_norm, ep_enabled=self.group.dims.ep_enabled)
+        lr = scheduled_lr(self.optimizer, self.lr_schedule)
         self.optimizer.step()
         slices = layout.per_rollout(stats[0].cpu()) if stats else [None] * len(local)
         mine = [(i, None if t is None else t.clone()) for i, t in zip(idx, slices, strict=False)]
@@ -195,6 +198,7 @@ class ShardedPolicy:
             add_metrics(metrics, rm, n / total)
             by_index.update(slices)
         metrics["grad_norm"] = float(norm)
+        metrics["lr"] = lr
         assert rollouts is not None
         kept = [by_index[i] for i in range(len(rollouts))]
         whole = [t for t in kept if t is not None]

@@ -69,12 +69,14 @@ def local_reference(rollouts: list[Rollout], **trainer: Any) -> tuple[LocalTrain
     return eng, out
 
 
+# A learning rate that moves at every one of the STEPS steps, and across the checkpoint.
+SCHEDULE = {"lr_warmup_steps": 2, "lr_decay": "linear", "lr_decay_steps": 3, "lr_min_ratio": 0.1}
 # name: ([trainer.parallelism], other [trainer] settings). Packed rows (several rollouts a row)
 # are compared with the single-process engine's padded rows: the same maths, other shapes.
 LAYOUTS: dict[str, tuple[dict[str, int], dict[str, Any]]] = {
     "fsdp": ({"dp_shard": 2}, {}),
     "fsdp+ep": ({"dp_shard": 2, "ep": 2}, {}),
-    "fsdp+ep packed": ({"dp_shard": 2, "ep": 2}, {"pack_tokens": 24}),
+    "fsdp+ep packed": ({"dp_shard": 2, "ep": 2}, {"pack_tokens": 24, **SCHEDULE}),
     "fsdp llama": ({"dp_shard": 2}, {"model": "tiny-llama"}),
 }
 
@@ -85,7 +87,8 @@ def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     layout, extra = LAYOUTS[request.param]
     got = run(layout, "train", d, d / "train.pt", weights_layout="hf", **extra)
     rollouts = torch.load(d / ROLLOUTS, weights_only=False)
-    eng, want = local_reference(rollouts, weights_layout="hf", model=extra.get("model", MODEL))
+    schedule = {k: v for k, v in extra.items() if k in SCHEDULE}
+    eng, want = local_reference(rollouts, weights_layout="hf", model=extra.get("model", MODEL), **schedule)
     return request.param, (layout, extra), d, got, eng, want, rollouts
 
 
@@ -108,8 +111,11 @@ def test_a_parallel_step_equals_the_single_process_step(trained: Any) -> None:
         assert lp.shape == ref.shape and torch.allclose(lp, ref, atol=LOGPROB_ATOL, rtol=0)
     for g, w in zip(got["metrics"], want["metrics"], strict=True):
         assert g["num_tokens"] == w["num_tokens"]
+        assert g["lr"] == w["lr"]  # the schedule's, from each engine's own step count
         for k in ("loss", "pg_loss", "grad_norm", "ratio_min", "ratio_max", "entropy"):
             assert g[k] == pytest.approx(w[k], rel=LOSS_RTOL, abs=1e-6), (name, k)
+    if "lr_decay" in extra:  # warming up, then decaying: 5e-3, 1e-2, 1e-2, 7e-3
+        assert len({m["lr"] for m in got["metrics"]}) == 3
     # The per-token records of each step: trainer logprobs close, routing differences equal.
     for a, b in zip(got["stats"], want["stats"], strict=True):
         assert a.shape == b.shape == (sum(len(r.completion_ids) for r in rollouts), 2)
