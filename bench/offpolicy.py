@@ -9,10 +9,11 @@ max(0, s - k): the worst case of ``max_off_policy_steps = k``, where a live run 
 staleness 0 and k. Each mode trains every seed to the demo's target (a 10-step mean reward of
 0.92) or to ``--max-steps``:
 
-* lag 0: on-policy, the baseline (the trainer's loss settings);
+* lag 0: on-policy, the baseline (the demo's settings);
 * lag k without the clip (``ratio_clip = 0``: only the train/inference mismatch mask);
 * lag k with dual-clip PPO's bound at 3 (``dual_clip = 3``; the trainer's default is 8);
-* lag k with the trainer's loss settings (the ratio clip).
+* lag k at a constant learning rate (the demo decays it to a tenth over ``--max-steps``);
+* lag k with the demo's settings (the ratio clip, the decaying rate).
 
 ``--hold`` trains each to ``--max-steps`` whatever the target and reports, after the step that
 reached it, the mean reward and the worst 100-step mean: a policy that reaches the target and
@@ -21,7 +22,7 @@ It prints each seed's figures and the median over seeds, ends with one line per 
 figure, and draws the reward curves of one seed (``--plot``, default bench/out/offpolicy.png).
 
     python bench/offpolicy.py [--seeds 0 1 2 3 4] [--lag 1] [--max-steps 1500] [--hold]
-                              [--modes on-policy,no-clip,dual-3,default]
+                              [--modes on-policy,no-clip,dual-3,constant-lr,default]
 """
 
 from __future__ import annotations
@@ -79,10 +80,13 @@ class Mode(NamedTuple):
     label: str  # ``{lag}`` filled in
 
 
+# The learning rate held at the demo's lr all along, not decayed over --max-steps.
+CONSTANT = ["--trainer.lr_decay", '"constant"', "--trainer.lr_min_ratio", "0"]
 MODES: dict[str, Mode] = {
     "on-policy": Mode(False, [], "lag 0"),
     "no-clip": Mode(True, ["--trainer.ratio_clip", "0"], "lag {lag}, no clip"),
     "dual-3": Mode(True, ["--trainer.dual_clip", "3"], "lag {lag}, dual clip 3"),
+    "constant-lr": Mode(True, CONSTANT, "lag {lag}, constant lr"),
     "default": Mode(True, [], "lag {lag}"),
 }
 
@@ -195,7 +199,8 @@ def main() -> None:
             continue
         got = median(steps[names[m]])
         if base is None or got is None:
-            print(f"steps to target {names[m]} / on-policy: not measured (a seed did not reach the target)")
+            why = "a seed did not reach the target" if "on-policy" in modes else "on-policy not run"
+            print(f"steps to target {names[m]} / on-policy: not measured ({why})")
         else:
             print(f"steps to target {names[m]} / on-policy {got / base:.2f}x (target <= {TARGET_RATIO}x)")
     if args.hold:
