@@ -6,6 +6,7 @@
 - routing:   Router Replay: traces captured at inference, experts forced at training
 - sampling:  batched generation for the embedded engine
 - loss:      group advantages, the importance-corrected RL loss, mismatch statistics
+- schedule:  the learning rate's warmup and decay (torch-free)
 - train:     batches of rollouts, logprobs under replay, the train step, determinism
 - weights:   safetensors I/O, the weights checksum, Hugging Face names
 
