@@ -75,8 +75,10 @@ class TrainerSettings(Section):
     weight_decay: float = 0.0
     # The learning rate through the run (policy/schedule.py): rising linearly over the first
     # lr_warmup_steps optimizer steps, then lr_decay ("linear" or "cosine") over lr_decay_steps
-    # (None: the rest of max_steps) down to lr * lr_min_ratio. Part of the maths: a run replays
-    # with its own; the schedule's clock is AdamW's step count, which checkpoints keep.
+    # down to lr * lr_min_ratio. Part of the maths: a run replays with its own; the schedule's
+    # clock is AdamW's step count, which checkpoints keep. lr_decay_steps left out is the rest
+    # of max_steps, resolved as the settings are validated, so the run records the number and a
+    # resume that raises max_steps replays the steps before it at the rates they were taken at.
     lr_warmup_steps: int = Field(0, ge=0)
     lr_decay: Decay = "constant"
     lr_decay_steps: int | None = Field(None, ge=1)
@@ -147,9 +149,7 @@ class TrainerSettings(Section):
 
     def lr_schedule(self) -> LrSchedule:
         """The learning rate's schedule these settings make (the engines' one way to it)."""
-        if self.lr_decay == "constant":
-            return LrSchedule(self.lr, self.lr_warmup_steps)
-        steps = self.lr_decay_steps or max(self.max_steps - self.lr_warmup_steps, 1)
+        steps = self.lr_decay_steps or 0  # resolved by validation unless the rate is constant
         return LrSchedule(self.lr, self.lr_warmup_steps, self.lr_decay, steps, self.lr_min_ratio)
 
     @property
@@ -167,6 +167,8 @@ class TrainerSettings(Section):
     def _lr_decay(self) -> TrainerSettings:
         if self.lr_decay == "constant" and (self.lr_decay_steps is not None or self.lr_min_ratio):
             raise ValueError("lr_decay_steps and lr_min_ratio shape a decay: set lr_decay (linear, cosine)")
+        if self.lr_decay != "constant" and self.lr_decay_steps is None:
+            self.lr_decay_steps = max(self.max_steps - self.lr_warmup_steps, 1)
         return self
 
     @model_validator(mode="after")

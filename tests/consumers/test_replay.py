@@ -48,6 +48,14 @@ OVERRIDES = [
     "0.25",
     "--bus.payload_max_gib",
     "0.5",
+    # A learning rate that changes at every step: recovery and replay, from the start or from a
+    # checkpoint, must each take every step at the rate the run took it.
+    "--trainer.lr_warmup_steps",
+    "2",
+    "--trainer.lr_decay",
+    '"cosine"',
+    "--trainer.lr_min_ratio",
+    "0.1",
 ]
 
 

@@ -57,8 +57,11 @@ def test_a_schedule_that_cannot_be_is_refused(kwargs: dict[str, object]) -> None
 def test_the_settings_make_the_schedule_and_refuse_a_decay_shape_without_a_decay() -> None:
     assert TrainerSettings(lr=1e-3).lr_schedule() == LrSchedule(1e-3)
     s = TrainerSettings(lr=1e-3, max_steps=500, lr_warmup_steps=20, lr_decay="cosine", lr_min_ratio=0.1)
-    # Decay over the rest of max_steps unless told.
-    assert s.lr_schedule() == LrSchedule(1e-3, 20, "cosine", 480, 0.1)
+    # Decay over the rest of max_steps unless told, resolved into the settings a run records:
+    # a resume that raises max_steps keeps the schedule its steps were taken with.
+    assert s.lr_decay_steps == 480 and s.lr_schedule() == LrSchedule(1e-3, 20, "cosine", 480, 0.1)
+    resumed = TrainerSettings.model_validate({**s.model_dump(), "max_steps": 2000})
+    assert resumed.lr_schedule() == s.lr_schedule()
     s = TrainerSettings(lr=1e-3, lr_decay="linear", lr_decay_steps=50)
     assert s.lr_schedule() == LrSchedule(1e-3, 0, "linear", 50, 0.0)
     for bad in ({"lr_decay_steps": 50}, {"lr_min_ratio": 0.1}):
