@@ -32,8 +32,9 @@ is a child's exit, not the worker's. The server is reached on loopback only.
 
 The server runs under ``vllm_ext/jetrl_vllm_reaper.py``, which takes its whole process group
 (vLLM's engine core and workers) down when the engine closes, when the worker dies (even
-SIGKILLed) or when the server exits. It prints to ``vllm.log`` in the engine's scratch directory;
-its tail is in any error.
+SIGKILLed) or when the server exits. It prints to ``vllm.log`` in the engine's scratch directory,
+where vLLM's sockets are too; its tail is in any error. The folder goes when the engine closes,
+or with the reaper when the worker was killed.
 
 What the run config checks before any process starts is :data:`CHECKS`' (registered with the
 engine, jetrl/plugins.py); this module imports no torch until an engine is built.
@@ -47,6 +48,7 @@ import dataclasses
 import mmap
 import os
 import random
+import shutil
 import subprocess
 import tempfile
 import time
@@ -246,6 +248,10 @@ class VLLMEngine:
             "PYTHONPATH": os.pathsep.join([str(EXTENSION_DIR), os.environ.get("PYTHONPATH", "")]),
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
+            # vLLM's processes talk over Unix sockets it names in the temp folder and never
+            # removes: in the scratch folder, they go when the engine closes.
+            "VLLM_RPC_BASE_PATH": str(self.scratch),
+            "JETRL_VLLM_SCRATCH": str(self.scratch),  # the reaper removes it if this worker dies
         }
         env.pop("VIRTUAL_ENV", None)
         self.log_path = self.scratch / "vllm.log"
@@ -445,6 +451,8 @@ class VLLMEngine:
                 self.proc.kill()
                 await asyncio.to_thread(self.proc.wait)
         self._log_file.close()
+        # The server's log and sockets (the reaper removes them if this worker is killed).
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
     def __del__(self) -> None:  # a worker that never closed its engine leaves no server behind
         proc = getattr(self, "proc", None)

@@ -2,7 +2,10 @@
 with it: when this process is told to stop (SIGTERM, SIGINT), when its parent (the jetrl worker)
 dies, even by SIGKILL (Linux's parent-death signal), or when the command exits. vLLM's engine
 core and worker processes are the server's children: without this they would outlive a killed
-worker. Standard library only: it runs with vLLM's Python.
+worker. When its parent died, it also removes the engine's scratch folder
+(``$JETRL_VLLM_SCRATCH``: the server's log and sockets), which the engine removes itself when
+it closes; otherwise the folder stays for the engine to read the log's tail. Standard library
+only: it runs with vLLM's Python.
 
     python jetrl_vllm_reaper.py COMMAND [ARGS...]
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -44,6 +48,9 @@ def main(argv: list[str]) -> int:
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(child.pid, signal.SIGKILL)  # whatever of the group is left
+        scratch = os.environ.get("JETRL_VLLM_SCRATCH")
+        if scratch and os.getppid() != parent:  # orphaned: no engine is left to clean up
+            shutil.rmtree(scratch, ignore_errors=True)
     return child.wait()
 
 
