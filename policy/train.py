@@ -352,8 +352,7 @@ def train_step(
             token_stats=token_stats,
         )
         add_metrics(metrics, m, b.num_tokens / total)
-    metrics["grad_norm"] = clip_and_step(model, optimizer, max_grad_norm, lr_schedule)
-    metrics["lr"] = optimizer.param_groups[0]["lr"]
+    metrics.update(clip_and_step(model, optimizer, max_grad_norm, lr_schedule))
     return metrics
 
 
@@ -362,16 +361,15 @@ def clip_and_step(
     optimizer: torch.optim.Optimizer,
     max_grad_norm: float | None,
     schedule: LrSchedule | None = None,
-) -> float:
+) -> dict[str, float]:
     """Clip the gradients to ``max_grad_norm`` (None or 0: no clip) and take the optimizer
     step at the learning rate ``schedule`` gives it (None: the optimizer's as it is); returns
-    the gradients' norm before the clip."""
+    the step's ``grad_norm`` (before the clip) and ``lr``."""
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm else float("inf"))
-    if schedule is not None:
-        scheduled_lr(optimizer, schedule)
+    lr = scheduled_lr(optimizer, schedule) if schedule is not None else optimizer.param_groups[0]["lr"]
     optimizer.step()
-    return float(norm)
+    return {"grad_norm": float(norm), "lr": lr}
 
 
 def scheduled_lr(optimizer: torch.optim.Optimizer, schedule: LrSchedule) -> float:
@@ -445,8 +443,7 @@ class StepAccumulator:
             # Loss terms were summed over the tokens (normaliser 1): the step's share of each.
             scaled = {k: v / total if k in ("loss", "pg_loss", "kl") else v for k, v in m.items()}
             add_metrics(metrics, scaled, n / total)
-        metrics["grad_norm"] = clip_and_step(self.model, self.optimizer, self.max_grad_norm, self.lr_schedule)
-        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
+        metrics.update(clip_and_step(self.model, self.optimizer, self.max_grad_norm, self.lr_schedule))
         return metrics
 
 
