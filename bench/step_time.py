@@ -13,7 +13,9 @@ that came meanwhile are admitted) follows. The trainer's CPU is also split by th
 main thread, the event loop (fetching, admitting, reading and checking the arrays, the step's
 events, the acks), against its other threads (the train call, the weights' export). Extra
 config overrides may be given after ``--``; ``--json PATH`` writes each round's figures for
-bench/ab.py.
+bench/ab.py. The demo's learning-rate schedule is kept as its ``max_steps`` sets it: shortened
+to ``--steps``, its decay would change what the policy learns by those steps and with it the
+steps' costs (completions shorten as the policy learns).
 
 The baseline, measured in the same run (unless ``--no-loop``): the same steps of the demo in
 one process with no bus (bench/overhead.py's loop: generate, score, train, synchronous, with
@@ -200,6 +202,15 @@ def jetrl_round(
     return wall / n, total / n, trainer, None if loop_s is None else loop_s / n, parts
 
 
+def demo_schedule() -> list[str]:
+    """Overrides that keep the demo's learning-rate schedule where ``max_steps`` is changed (its
+    decay's length is otherwise resolved from the changed ``max_steps``)."""
+    demo = load_config(ROOT / "configs" / "demo.toml", []).trainer
+    if demo.lr_decay_steps is None:
+        return []
+    return ["--trainer.lr_decay_steps", str(demo.lr_decay_steps)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=200)
@@ -222,7 +233,7 @@ def main() -> None:
     ap.add_argument("over", nargs="*", help="config overrides, after --")
     args = ap.parse_args()
     configure("warning")
-    over = ["--trainer.max_steps", str(args.steps), "--trainer.stop_at_reward", "2.0"]
+    over = ["--trainer.max_steps", str(args.steps), "--trainer.stop_at_reward", "2.0", *demo_schedule()]
     over += ["--store.recorder", "true" if args.recorder else "false", *args.over]
     cfg = load_config(ROOT / "configs" / "demo.toml", over)
     cores = os.cpu_count() or 1
