@@ -43,10 +43,11 @@ from jetrl.deploy.supervisor import Supervisor
 ACK_WAIT = 3.0
 
 
-async def read_log(url: str, run_id: str) -> list[ev.Event]:
+async def read_log(url: str, run_id: str) -> list[tuple[int, ev.Event]]:
+    """The run's events with their sequences."""
     bus = await Bus.connect(url)
     try:
-        return [item.event for item in await bus.read_log(run_id) if item.event is not None]
+        return [(item.seq, item.event) for item in await bus.read_log(run_id) if item.event is not None]
     finally:
         await bus.close()
 
@@ -91,6 +92,7 @@ class ChaosResult(TypedDict):
     withheld: int
     pending: int
     lost: int
+    lost_why: dict[str, int]  # the lost rollouts by the reason they were dead-lettered
     trained_twice: int
     replay_verified: bool
     restarts: dict[str, int]
@@ -163,13 +165,19 @@ async def chaos(root: Path, steps: int, kills: int, seed: int, over: list[str] |
             recovery[part_kind(victim)].append(after[0] - t_kill)
 
     with EmbeddedServer(root / run_id / "nats") as srv:
-        log = await read_log(srv.url, run_id)
+        logged = await read_log(srv.url, run_id)
+        log = [e for _, e in logged]
         step_bodies = [e.body for e in log if isinstance(e.body, ev.StepCompleted)]
         trained = Counter(rid for s in step_bodies for rid in s.rollout_ids)
         scored = {r.rollout_id for e in log if isinstance(e.body, ev.RolloutsScored) for r in e.body.rollouts}
         withheld = {e.body.rollout_id for e in log if isinstance(e.body, ev.RolloutWithheld)}
         pending = await deliverable_to_trainer(srv.url, run_id)
         lost = scored - set(trained) - withheld - pending
+        # Why: a lost rollout dead-lettered (its DeadLettered keeps it whole, with the reason).
+        groups = [(seq, e.body) for seq, e in logged if isinstance(e.body, ev.RolloutsScored)]
+        group_seq = {r.rollout_id: seq for seq, body in groups for r in body.rollouts}
+        dead = {e.body.original_stream_seq: e.body.reason for e in log if isinstance(e.body, ev.DeadLettered)}
+        lost_why = Counter(dead.get(group_seq[rid], "not dead-lettered") for rid in lost)
         verified = await replay(
             srv.url, run_id, root / run_id, from_step=0, to_step=None, verify=True, quiet=True
         )
@@ -186,6 +194,7 @@ async def chaos(root: Path, steps: int, kills: int, seed: int, over: list[str] |
         "withheld": len(withheld),
         "pending": len(pending - set(trained) - withheld),
         "lost": len(lost),
+        "lost_why": dict(lost_why),
         "trained_twice": sum(1 for n in trained.values() if n > 1),
         "replay_verified": verified == 0,
         "restarts": {p.name: p.restarts for p in sup.parts if p.restarts}
@@ -228,7 +237,8 @@ def summary_lines(r: ChaosResult, planned_kills: int) -> list[str]:
             f"recovery time: too few recoveries to measure (no step completed after any of "
             f"{len(injected)} kills)"
         )
-    out.append(f"rollouts lost {r['lost']} (target 0)")
+    why = ", ".join(f"{n} {reason}" for reason, n in sorted(r["lost_why"].items()))
+    out.append(f"rollouts lost {r['lost']} (target 0){f': {why}' if why else ''}")
     out.append(f"rollouts trained twice {r['trained_twice']} (target 0)")
     if r["steps"] == 0:
         out.append("replay verified: too few steps to verify (0 steps) (target yes)")

@@ -15,6 +15,7 @@ import datetime
 import hashlib
 import hmac
 import time
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, overload
@@ -62,6 +63,50 @@ class Bus:
         self.identity: Credentials | None = None
         self._msg_id_key: bytes | None = None
         self._watch: asyncio.Task[None] | None = None
+        self.lost_requests = 0  # requests failed at once when their connection dropped
+        self._channels: weakref.WeakSet[PullChannel] = weakref.WeakSet()  # its consumers' inboxes
+        self._tails: weakref.WeakSet[Any] = weakref.WeakSet()  # its tails' ordered consumers
+        self.tails_restarted = 0  # tails whose consumer was made anew as the connection came back
+
+    def fail_lost_requests(self) -> int:
+        """Fail, as timed out, every request and JetStream publish still waiting for its reply
+        when the connection dropped, and end the waits of its consumers' fetches. A reply goes
+        back on the connection that asked, so none of these can come any more, and each would
+        otherwise wait out its whole timeout (10 s for a direct get or a publisher's ack, 5 s
+        of a fetch's silence) while a restarted server or another node of the cluster takes the
+        client back within a second. Every caller retries a timeout: a publish is deduplicated
+        by its event id, a read or a fetch is asked again. Returns how many requests failed."""
+        lost = 0
+        # nats-py keeps them in these maps until their reply or timeout; it has no public way
+        # to fail them (checked against nats-py 2.16 by tests/bus/test_bus_restart.py).
+        maps = (getattr(self.nc, "_resp_map", None), getattr(self.js, "_publish_async_futures", None))
+        for waiting in maps:
+            for fut in list((waiting or {}).values()):
+                if not fut.done():
+                    fut.set_exception(nats.errors.TimeoutError())
+                    lost += 1
+        self.lost_requests += lost
+        for channel in list(self._channels):
+            channel.connection_dropped()
+        return lost
+
+    async def restart_tails(self) -> int:
+        """The connection is back: make each tail's ordered consumer anew from its next
+        sequence now. A restarted server has lost them (they are ephemeral), and nats-py would
+        notice only when its check of the idle heartbeats comes round (every two heartbeats:
+        2-4 s, a stall of every part that follows the log, the producer's window included).
+        What nats-py itself does then; done again by it, harmless. Returns how many."""
+        restarted = 0
+        for sub in list(self._tails):
+            # nats-py's ordered-consumer state (2.16): on the subscription its tail wraps.
+            jsi = getattr(getattr(sub, "_sub", None), "_jsi", None)
+            if jsi is None or not getattr(jsi, "_ordered", False):
+                continue
+            with contextlib.suppress(Exception):  # at worst nats-py's own check does it later
+                await jsi.reset_ordered_consumer(jsi._sseq + 1)
+                restarted += 1
+        self.tails_restarted += restarted
+        return restarted
 
     def msg_headers(self, headers: dict[str, str]) -> dict[str, str]:
         """The headers to publish with: a tenant's message id keyed (Credentials.msg_id_key)."""
@@ -119,12 +164,17 @@ class Bus:
                 quiet_until[kind] = now + 10.0
                 blog.warning("nats_error", error=repr(exc), servers=servers, repeats_muted_s=10)
 
+        made: list[Bus] = []  # the Bus, once connected: what on_disconnect fails its requests on
+
         async def on_disconnect() -> None:
             if not nc.is_closed:  # closing is deliberate, not news (nats-py marks it first)
-                blog.warning("nats_disconnected")
+                lost = made[0].fail_lost_requests() if made else 0
+                blog.warning("nats_disconnected", requests_failed=lost)
 
         async def on_reconnect() -> None:
-            blog.info("nats_reconnected", server=str(nc.connected_url.netloc if nc.connected_url else ""))
+            tails = await made[0].restart_tails() if made else 0
+            server = str(nc.connected_url.netloc if nc.connected_url else "")
+            blog.info("nats_reconnected", server=server, tails_restarted=tails)
 
         try:
             nc = await connect_unless(
@@ -157,6 +207,7 @@ class Bus:
             ) from exc
         js = nc.jetstream(timeout=request_timeout, publish_async_max_pending=max_inflight)
         bus = cls(nc, js, name)
+        made.append(bus)
         bus._denied = denied
 
         async def close_when_refused() -> None:
@@ -336,6 +387,7 @@ class Bus:
             cfg.opt_start_seq = None
             await retrying(made, lambda: self.js.add_consumer(stream, config=cfg))
         channel = await PullChannel(self.nc, stream, spec.durable, max_bytes=spec.max_request_bytes).open()
+        self._channels.add(channel)
         return PullConsumer(self, spec, channel, body)
 
     async def tail(
@@ -383,10 +435,12 @@ class Bus:
                 ordered_consumer=True,
                 config=cfg,
                 # nats-py resets an ordered consumer after two missed heartbeats: 1 s bounds how
-                # long a tail stays silent after the server restarts (5 s meant ~20 s stalls).
+                # long a tail stays silent when its consumer is lost without a reconnect (after
+                # one, restart_tails makes it anew at once; 5 s meant ~20 s stalls).
                 idle_heartbeat=1.0,
             ),
         )
+        self._tails.add(sub)
         try:
             if to_head:
                 info = await sub.consumer_info()
@@ -410,6 +464,7 @@ class Bus:
                 if to_head and meta.num_pending == 0:
                     return
         finally:
+            self._tails.discard(sub)  # never made anew once ended
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 

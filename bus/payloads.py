@@ -360,8 +360,8 @@ class ObjectStorePayloads:
             nats.js.errors.ObjectNotFoundError,
             nats.js.errors.ObjectDeletedError,
         )
-        with contextlib.suppress(*gone):
-            await self.obj.delete(name)
+        with contextlib.suppress(*gone):  # retried through a reconnect or an election, as a put is
+            await retrying(f"discard {name}", lambda: self.obj.delete(name), retry_s=self.retry_s)
 
 
 class FilePayloads:
@@ -573,8 +573,9 @@ class LogArrays:
         if event is None:
             if not 1 <= seq < 2**63:  # the server refuses such a request (it is no sequence)
                 raise PayloadMissing(f"{seq} is not a sequence of {self.stream}")
-            try:
-                msg = await stored_message(self.js, self.stream, seq)
+            read = functools.partial(stored_message, self.js, self.stream, seq)
+            try:  # retried through a reconnect or an election: a reader that gave up would crash
+                msg = await retrying(f"{self.stream} #{seq}", read)
             except nats.js.errors.NotFoundError:
                 raise PayloadMissing(f"{self.stream} has no message at sequence {seq}") from None
             except nats.js.errors.BadRequestError as exc:

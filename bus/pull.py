@@ -33,6 +33,7 @@ from nats.aio.subscription import Subscription
 
 STATUS = "Status"
 HEARTBEAT = "100"  # idle heartbeat; every other status ends the request it answers
+DROPPED = "503"  # put here when the connection dropped: ends a wait whose answer went with it
 MiB = 1024 * 1024
 
 
@@ -57,6 +58,13 @@ class PullChannel:
 
         self.sub = await self.nc.subscribe(self.inbox, cb=on_msg)
         return self
+
+    def connection_dropped(self) -> None:
+        """The connection dropped: a request open on it will never be answered (the server
+        answers on the connection that asked), so a fetch waiting for it stops now, as if the
+        request had ended, and the next fetch asks again, instead of waiting out its patience
+        (5 s of silence) or its expiry."""
+        self.queue.put_nowait(Msg(_client=self.nc, subject=self.inbox, headers={STATUS: DROPPED}))
 
     async def close(self) -> None:
         if self.sub is not None:

@@ -9,6 +9,9 @@ import subprocess
 import sys
 import time
 
+import nats.errors
+import pytest
+
 from jetrl.bus import events as ev
 from jetrl.bus import subjects
 from jetrl.bus.client import Bus
@@ -124,3 +127,97 @@ def test_a_server_ends_with_the_process_that_started_it_killed_outright(tmp_path
 
 def _running(pid: int) -> bool:
     return process_start_time(pid) is not None  # a zombie has ended
+
+
+async def test_requests_waiting_on_a_dropped_connection_fail_at_once(tmp_path) -> None:
+    """A request or JetStream publish in flight when the server dies can never get its reply
+    (replies go back on the connection that asked): it fails as timed out when the client sees
+    the connection drop, to be retried, instead of waiting out its own timeout (10 s for a
+    direct get or a publisher's ack, which stalled a run after each nats-server crash); a
+    consumer's fetch waiting on the dropped connection returns empty, to fetch again."""
+    srv = EmbeddedServer(tmp_path / "nats").start()
+    run_id = "lost1"
+    try:
+        bus = await Bus.connect(srv.url, name="asker")
+        await bus.ensure_run(run_id, TEST_LIMITS)
+        await bus.nc.subscribe("svc.silent", cb=_ignore)  # a responder that never answers
+        consumer = await bus.consumer(
+            ConsumerSpec(run_id=run_id, durable="idle", filter_subjects=[subjects.all_subjects(run_id)])
+        )
+        await bus.nc.flush()
+        asked = asyncio.create_task(bus.nc.request("svc.silent", b"?", timeout=600))
+        fetching = asyncio.create_task(consumer.fetch(10, timeout=600))  # nothing to fetch yet
+        # The server frozen, a JetStream publish goes out and waits for an ack that cannot come.
+        assert srv.proc is not None
+        srv.proc.send_signal(signal.SIGSTOP)
+        pub = bus.publisher(max_inflight=8, ack_timeout=600, retries=50)
+        event = ev.new_event(ev.WorkerHeartbeat(worker_id="w", kind="inference", inflight=1), run_id=run_id)
+        await pub.publish(event)
+        await asyncio.sleep(0.2)
+        assert pub.inflight == 1
+        srv.kill()  # the frozen server dies: the client sees its connection reset
+        # Failed as a timeout (nats' own), not after the request's 600 s: the bound only ends
+        # a test whose requests were never failed.
+        with pytest.raises(nats.errors.TimeoutError):
+            await asyncio.wait_for(asked, 60)
+        assert bus.lost_requests == 2  # the request and the publish
+        assert await asyncio.wait_for(fetching, 60) == []  # its wait ended, to be asked again
+        srv.start()
+        await pub.flush(timeout=60)  # re-sent at once, not after its 600 s ack timeout
+        assert pub.resent >= 1
+        assert await bus.last_seq(run_id) == 1  # stored once
+        await bus.close()
+    finally:
+        if srv.proc is not None and srv.proc.poll() is None:
+            srv.proc.send_signal(signal.SIGCONT)
+        srv.stop()
+
+
+async def _ignore(msg: object) -> None:
+    return None
+
+
+async def test_a_tail_goes_on_after_a_server_restart_with_its_consumer_made_anew(tmp_path) -> None:
+    """A tail's ordered consumer is ephemeral: a restarted server has lost it. It is made anew
+    from the tail's next sequence as the connection comes back (not at nats-py's next check
+    of the missed heartbeats), and the tail goes on in order, nothing skipped or repeated."""
+    srv = EmbeddedServer(tmp_path / "nats").start()
+    run_id = "tail1"
+    try:
+        bus = await Bus.connect(srv.url, name="follower")
+        await bus.ensure_run(run_id, TEST_LIMITS)
+
+        def beat(i: int) -> ev.Event:
+            body = ev.WorkerHeartbeat(worker_id="w", kind="inference", inflight=i)
+            return ev.new_event(body, run_id=run_id)
+
+        seen: list[int] = []
+        got_two, got_four = asyncio.Event(), asyncio.Event()
+
+        async def follow() -> None:
+            async for item in bus.tail(run_id):
+                assert item.event is not None
+                body = item.event.body
+                assert isinstance(body, ev.WorkerHeartbeat)
+                seen.append(body.inflight)
+                if len(seen) == 2:
+                    got_two.set()
+                if len(seen) == 4:
+                    got_four.set()
+                    return
+
+        follower = asyncio.create_task(follow())
+        for i in (0, 1):
+            await bus.publish(beat(i))
+        await asyncio.wait_for(got_two.wait(), 30)
+        srv.kill()
+        srv.start()
+        for i in (2, 3):
+            await bus.publish(beat(i))  # retried until the connection is back
+        await asyncio.wait_for(got_four.wait(), 60)
+        await follower
+        assert seen == [0, 1, 2, 3]
+        assert bus.tails_restarted == 1
+        await bus.close()
+    finally:
+        srv.stop()

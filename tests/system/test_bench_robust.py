@@ -97,6 +97,7 @@ def chaos_result(**over: object) -> dict[str, object]:
         "withheld": 0,
         "pending": 0,
         "lost": 0,
+        "lost_why": {},
         "trained_twice": 0,
         "replay_verified": False,
         "restarts": {},
@@ -118,6 +119,10 @@ def test_chaos_summary_without_kills_or_recoveries() -> None:
     assert any(line.startswith("inference") and line.rstrip().endswith("-") for line in lines)
     assert "faults injected 2 over 2 kinds of part (target >= 20)" in lines
     assert "replay verified yes (target yes)" in lines
+    assert "rollouts lost 0 (target 0)" in lines
+    # Lost rollouts say why: the reasons they were dead-lettered.
+    r = chaos_result(lost=16, lost_why={"max_deliver": 16})
+    assert "rollouts lost 16 (target 0): 16 max_deliver" in chaos.summary_lines(r, 22)
 
 
 def test_bus_ratio_lines_when_nothing_was_measured() -> None:
