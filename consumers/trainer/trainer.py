@@ -306,6 +306,9 @@ class Trainer:
             raise
         ack = await publishing
         self.announcing = asyncio.ensure_future(self.announce_version(exported))
+        # Its error is raised where it is awaited (announced); a trainer torn down before that
+        # (its connection closed under it) must not leave it to the garbage collector to report.
+        self.announcing.add_done_callback(_retrieved)
         return int(ack.seq)
 
     async def announced(self) -> None:
@@ -717,6 +720,12 @@ class Trainer:
             idle_frac=round(self.wait_s / max(time.monotonic() - self.started, 1e-9), 3),
         )
         return 0
+
+
+def _retrieved(task: asyncio.Future[int]) -> None:
+    """Mark a background task's error as seen (awaiting it still raises it)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _any_refused(arrays: Iterable[RolloutArrays], limits: ModelLimits) -> bool:

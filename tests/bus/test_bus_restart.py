@@ -11,6 +11,7 @@ import time
 
 import nats.errors
 import pytest
+from nats.aio.msg import Msg
 
 from jetrl.bus import events as ev
 from jetrl.bus import subjects
@@ -141,11 +142,17 @@ async def test_requests_waiting_on_a_dropped_connection_fail_at_once(tmp_path) -
         bus = await Bus.connect(srv.url, name="asker")
         await bus.ensure_run(run_id, TEST_LIMITS)
         await bus.nc.subscribe("svc.silent", cb=_ignore)  # a responder that never answers
+        await bus.nc.subscribe("svc.echo", cb=_echo)
         consumer = await bus.consumer(
             ConsumerSpec(run_id=run_id, durable="idle", filter_subjects=[subjects.all_subjects(run_id)])
         )
         await bus.nc.flush()
+        await bus.nc.request("svc.echo", b"?", timeout=30)  # the client's reply inbox made
         asked = asyncio.create_task(bus.nc.request("svc.silent", b"?", timeout=600))
+        for _ in range(3000):  # until the request waits for its reply (nats-py's map of them)
+            if bus.nc._resp_map:
+                break
+            await asyncio.sleep(0.01)
         fetching = asyncio.create_task(consumer.fetch(10, timeout=600))  # nothing to fetch yet
         # The server frozen, a JetStream publish goes out and waits for an ack that cannot come.
         assert srv.proc is not None
@@ -175,6 +182,10 @@ async def test_requests_waiting_on_a_dropped_connection_fail_at_once(tmp_path) -
 
 async def _ignore(msg: object) -> None:
     return None
+
+
+async def _echo(msg: Msg) -> None:
+    await msg.respond(msg.data)
 
 
 async def test_a_tail_goes_on_after_a_server_restart_with_its_consumer_made_anew(tmp_path) -> None:

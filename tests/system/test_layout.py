@@ -5,6 +5,7 @@ room may use."""
 from __future__ import annotations
 
 import ast
+import gc
 import os
 import tomllib
 from pathlib import Path
@@ -37,7 +38,15 @@ def test_every_package_folder_is_listed_in_pyproject() -> None:
 
 
 def _imports(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
+    # No collection mid-parse: a finalizer running Python code then (an un-awaited task's error
+    # logged) fails CPython 3.11's AST constructor ("recursion depth mismatch").
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        tree = ast.parse(path.read_text())
+    finally:
+        if collecting:
+            gc.enable()
     out: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module:
