@@ -65,7 +65,7 @@ class Bus:
         self._watch: asyncio.Task[None] | None = None
         self.lost_requests = 0  # requests failed at once when their connection dropped
         self._channels: weakref.WeakSet[PullChannel] = weakref.WeakSet()  # its consumers' inboxes
-        self._tails: weakref.WeakSet[Any] = weakref.WeakSet()  # its tails' ordered consumers
+        self._tails: weakref.WeakSet[JetStreamContext.PushSubscription] = weakref.WeakSet()  # its tails
         self.tails_restarted = 0  # tails whose consumer was made anew as the connection came back
 
     def fail_lost_requests(self) -> int:
